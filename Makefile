@@ -1,0 +1,46 @@
+# The two commands a fresh clone needs (see README.md):
+#   make lab    create the environment on first use, then open the course in JupyterLab
+#   make test   create the environment on first use, then run every check CI runs
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# The CPU build of PyTorch; a plain `pip install torch` can pull a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+
+.PHONY: lab test build bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.course: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install "$(TORCH)"
+	$(BIN)/pip install -e .
+	touch $@
+
+$(VENV)/.dev: pyproject.toml $(VENV)/.course
+	$(BIN)/pip install -e ".[dev]"
+	touch $@
+
+lab: $(VENV)/.course
+	$(BIN)/jupyter lab --notebook-dir=course
+
+# Notebooks run on the embedded stand-in weights, whatever weights this machine may hold.
+NB_ENV := env -u QWEN_MINI_WEIGHTS -u QWEN_MINI_DOWNLOAD HF_HUB_OFFLINE=1 HF_HUB_CACHE=$(CURDIR)/$(VENV)/empty-hf-cache
+
+test: $(VENV)/.dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m qwen_mini.build --check
+	$(BIN)/python -m pytest tests
+	mkdir -p $(VENV)/empty-hf-cache
+	$(NB_ENV) QWEN_MINI_CHECKS=solutions $(BIN)/python -m pytest --nbval-lax solutions
+	$(NB_ENV) QWEN_MINI_CHECKS=course $(BIN)/python -m pytest --nbval-lax course
+
+build: $(VENV)/.dev
+	$(BIN)/python -m qwen_mini.build
+
+bench: $(VENV)/.dev
+	$(BIN)/python bench/bench_vs_transformers.py
+
+clean:
+	rm -rf $(VENV)
