@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from datetime import datetime
 from pathlib import Path
 
@@ -64,7 +65,8 @@ class Tokenizer:
 
         eos = _token_text(self.config.get("eos_token")) or "<|im_end|>"
         self.eos_token_id = self._require(eos)
-        self.eos_token_ids = tuple(dict.fromkeys([self.eos_token_id, self.im_end_id, self.endoftext_id]))
+        stops = [self.eos_token_id, self.im_end_id, self.endoftext_id]
+        self.eos_token_ids = tuple(dict.fromkeys(stops))  # without duplicates, in order
         self.pad_token_id = self.token_to_id(_token_text(self.config.get("pad_token")) or "")
 
     def _require(self, token: str) -> int:
@@ -105,7 +107,7 @@ class Tokenizer:
         self,
         messages: list[dict],
         add_generation_prompt: bool = False,
-        enable_thinking: bool = True,
+        enable_thinking: bool | None = True,
         tools: list[dict] | None = None,
         **kwargs,
     ) -> str:
@@ -114,7 +116,8 @@ class Tokenizer:
         `messages` are dicts with "role" ("system", "user", "assistant", "tool") and "content";
         assistant turns may carry "reasoning_content" and "tool_calls". With
         `add_generation_prompt` the text ends where the assistant's answer begins; with
-        `enable_thinking=False` the Qwen3 template also writes an empty think block there.
+        `enable_thinking=False` the Qwen3 template also writes an empty think block there
+        (`None` leaves the variable undefined, as transformers does when it is not passed).
         The result is byte-identical to transformers' `apply_chat_template(..., tokenize=False)`.
         Extra keyword arguments are passed to the template as variables.
         """
@@ -128,7 +131,9 @@ class Tokenizer:
         # Like transformers: the template also sees the special tokens by name (eos_token, ...).
         variables = {k: _token_text(v) for k, v in self.config.items() if k.endswith("_token")}
         variables = {k: v for k, v in variables.items() if v is not None}
-        variables.update(kwargs, enable_thinking=enable_thinking)
+        variables.update(kwargs)
+        if enable_thinking is not None:
+            variables["enable_thinking"] = enable_thinking
         return _compile(self.chat_template).render(
             messages=[_prepare_message(m) for m in messages],
             tools=_plain(tools),
@@ -157,10 +162,10 @@ def _plain(value):
     """A deep copy made of plain JSON types, so the template never touches the caller's objects."""
     if isinstance(value, dict):
         return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_plain(v) for v in value) if isinstance(value, tuple) else [
-            _plain(v) for v in value
-        ]
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
     return value
 
 
@@ -185,10 +190,9 @@ def _compile(source: str):
             raise jinja2.exceptions.TemplateError(message)
 
         def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-            # Jinja's own tojson escapes HTML characters and non-ASCII; the templates expect neither.
-            return json.dumps(
-                x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-            )
+            # Jinja's own tojson escapes HTML characters and non-ASCII; templates expect neither.
+            options = dict(indent=indent, separators=separators, sort_keys=sort_keys)
+            return json.dumps(x, ensure_ascii=ensure_ascii, **options)
 
         # trim_blocks/lstrip_blocks: a line holding only a {% tag %} leaves no blank line behind.
         env = ImmutableSandboxedEnvironment(
@@ -245,7 +249,9 @@ def load_tokenizer(name_or_path: str | Path = "Qwen/Qwen3-0.6B") -> Tokenizer:
     name = str(name_or_path)
     try:
         from .hub import find_local
-    except ImportError:  # the hub module may not exist in a partial checkout
+    except ModuleNotFoundError as err:  # tolerate a checkout without the hub module, nothing else
+        if err.name != f"{__package__}.hub":
+            raise
         find_local = None
     if find_local is not None:
         local = find_local(name)
@@ -262,5 +268,11 @@ def load_tokenizer(name_or_path: str | Path = "Qwen/Qwen3-0.6B") -> Tokenizer:
         raise FileNotFoundError(
             f"The vendored tokenizer files are missing from {VENDORED_QWEN3}. qwen_mini reads "
             "them from the repository: install it from a clone with `pip install -e .`."
+        )
+    if not name.split("/")[-1].lower().startswith("qwen3-"):
+        warnings.warn(
+            f"Using the vendored Qwen3 tokenizer for {name}: same BPE and ids, but Qwen3's chat "
+            "template. For that model's own chat format, point load_tokenizer at its files.",
+            stacklevel=2,
         )
     return _from_folder(VENDORED_QWEN3)
