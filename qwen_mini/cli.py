@@ -1,0 +1,250 @@
+"""The `qwen-mini` command: generate text, check the installation, grade notebooks.
+
+    qwen-mini generate Qwen/Qwen3-0.6B "The capital of France is" --max-new-tokens 20
+    qwen-mini generate Qwen/Qwen3-0.6B "Why is the sky blue?" --chat --no-thinking
+    qwen-mini doctor
+    qwen-mini grade ...            (see `qwen-mini grade --help`)
+
+Generated text goes to stdout; notices (stand-in model, sampling settings) go to stderr, so
+`qwen-mini generate ... > out.txt` keeps only the text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import warnings
+from importlib import metadata
+
+DOCTOR_TEXT = "Hello, 世界! Grüße 👋🏽 — ∑x² = 1\n\tcode:  if x:<|im_end|>"
+# The control-token ids of each tokenizer family (../shared/facts/FACTS.md).
+SPECIAL_IDS = {
+    "qwen3": {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645},
+    "qwen3.5": {"<|endoftext|>": 248044, "<|im_start|>": 248045, "<|im_end|>": 248046},
+}
+ALWAYS_OFFLINE = "Qwen/Qwen3-0.6B"  # its tokenizer ships with qwen_mini, so it must load
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="qwen-mini", description="Run Qwen3 / Qwen2.5 checkpoints with qwen_mini."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = sub.add_parser(
+        "generate",
+        help="continue a prompt, streaming the text",
+        description="Continue PROMPT with MODEL and stream the new text to stdout. "
+        "Sampling options left out come from the checkpoint's "
+        "generation_config.json; without one, decoding is greedy.",
+    )
+    g.add_argument(
+        "model", metavar="MODEL", help="a model name (Qwen/Qwen3-0.6B) or a checkpoint folder"
+    )
+    g.add_argument("prompt", metavar="PROMPT", help="the prompt text; '-' reads it from stdin")
+    g.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
+    g.add_argument("--temperature", type=float, help="0 means greedy")
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--min-p", type=float)
+    g.add_argument("--presence-penalty", type=float)
+    g.add_argument("--seed", type=int, help="makes sampling reproducible")
+    g.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        help="weights dtype (default: as stored in the checkpoint)",
+    )
+    g.add_argument(
+        "--chat", action="store_true", help="wrap PROMPT as one user message with the chat template"
+    )
+    g.add_argument(
+        "--no-thinking",
+        action="store_true",
+        help="with --chat: enable_thinking=False (Qwen3 answers without <think>)",
+    )
+    g.add_argument(
+        "--download",
+        action="store_true",
+        help="download the weights from the Hugging Face hub if not found locally",
+    )
+
+    sub.add_parser("doctor", help="check the installation: versions, models, tokenizer")
+    sub.add_parser(
+        "grade", help="grade submitted notebooks (qwen-mini grade --help)", add_help=False
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["grade"]:  # grading has its own parser: hand it everything after "grade"
+        from .grade import cli as grade_cli
+
+        return grade_cli(argv[1:])
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help or a usage error: argparse has printed the message
+        return int(e.code or 0)
+    if args.command == "generate" and args.no_thinking and not args.chat:
+        print(
+            "qwen-mini: error: --no-thinking only applies to chat prompts; add --chat.",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        return {"generate": cmd_generate, "doctor": cmd_doctor}[args.command](args)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `qwen-mini generate ... | head`: the reader left, nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except Exception as e:  # a learner gets the message, not a traceback
+        kind = "" if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: "
+        print(f"qwen-mini: error: {kind}{e}", file=sys.stderr)
+        return 1
+
+
+# --- generate ---------------------------------------------------------------------------------
+
+
+def cmd_generate(args) -> int:
+    from .generation import generate, sampling_settings
+    from .hub import load_model
+    from .tokenizer import load_tokenizer
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    import torch
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    model = load_model(args.model, dtype, download=args.download)
+    # load_model itself says on stderr when it falls back to the stand-in
+    tokenizer = load_tokenizer(args.model)
+    if args.chat:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            enable_thinking=not args.no_thinking,
+        )
+    options = dict(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+    )
+    print(f"sampling: {describe_settings(sampling_settings(model, **options))}", file=sys.stderr)
+    pieces = generate(
+        model,
+        tokenizer,
+        prompt,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        stream=True,
+        **options,
+    )
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()  # show each piece as soon as it exists
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return 0
+
+
+def describe_settings(s: dict) -> str:
+    if s["temperature"] == 0:
+        text = "greedy"
+    else:
+        text = f"temperature {s['temperature']:g}"
+        for key in ("top_k", "top_p", "min_p"):
+            if s[key] is not None:
+                text += f", {key} {s[key]:g}"
+    if s["presence_penalty"]:
+        text += f", presence_penalty {s['presence_penalty']:g}"
+    return text
+
+
+# --- doctor -----------------------------------------------------------------------------------
+
+
+def cmd_doctor(args) -> int:
+    ok = check_versions()
+    ok &= check_models()
+    ok &= check_tokenizers()
+    print("\nOK: qwen_mini is ready." if ok else "\nFAIL: see the lines marked FAIL above.")
+    return 0 if ok else 1
+
+
+def check_versions() -> bool:
+    import torch
+
+    print("versions")
+    print(f"  python        {platform.python_version()}")
+    ok = True
+    for dist in ("torch", "safetensors", "tokenizers", "jinja2", "qwen-mini", "transformers"):
+        try:
+            version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            optional = dist == "transformers"  # only the tests need it
+            version = "not installed" + ("" if optional else "  FAIL")
+            ok &= optional
+        print(f"  {dist:<13} {version}")
+    print(f"  {'accelerator':<13} {'cuda' if torch.cuda.is_available() else 'none (CPU)'}")
+    return ok
+
+
+def check_models() -> bool:
+    from .hub import KNOWN_MODELS, describe
+
+    print("models")
+    ok = True
+    for name in KNOWN_MODELS:
+        try:
+            print(f"  {describe(name)}")
+        except Exception as e:  # one broken entry should not hide the others
+            print(f"  {name}: FAIL {e}")
+            ok = False
+    return ok
+
+
+def check_tokenizers() -> bool:
+    from .hub import KNOWN_MODELS, find_local
+    from .tokenizer import load_tokenizer
+
+    print("tokenizers (encode -> decode round trip, control-token ids)")
+    ok = True
+    for name in KNOWN_MODELS:
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                tokenizer = load_tokenizer(name)
+        except Exception as e:
+            if name == ALWAYS_OFFLINE or find_local(name) is not None:
+                print(f"  {name}: FAIL {e}")
+                ok = False
+            else:
+                print(f"  {name}: skipped (no tokenizer files offline)")
+            continue
+        problems = tokenizer_problems(name, tokenizer)
+        ok &= not problems
+        print(f"  {name}: " + ("OK" if not problems else "FAIL " + "; ".join(problems)))
+        for w in caught:  # e.g. a vendored stand-in for the model's own files
+            print(f"    note: {w.message}")
+    return ok
+
+
+def tokenizer_problems(name: str, tokenizer) -> list[str]:
+    problems = []
+    ids = tokenizer.encode(DOCTOR_TEXT)
+    if tokenizer.decode(ids) != DOCTOR_TEXT:
+        problems.append(f"decode(encode(text)) gives {tokenizer.decode(ids)!r}")
+    family = "qwen3.5" if "qwen3.5" in name.lower() else "qwen3"
+    for token, want in SPECIAL_IDS[family].items():
+        got = tokenizer.special_tokens.get(token)
+        if got != want:
+            problems.append(f"{token} has id {got}, expected {want}")
+    if ids[-1:] != [SPECIAL_IDS[family]["<|im_end|>"]]:
+        problems.append("<|im_end|> in the text did not become its single id")
+    return problems

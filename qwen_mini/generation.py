@@ -1,0 +1,301 @@
+"""Text generation: prefill once, then decode one token at a time with the KV cache.
+
+The sampling pipeline, applied to the logits of each new token in this order:
+
+    presence penalty -> (greedy: argmax) | temperature -> top_k -> top_p -> min_p -> sample
+
+This is the order `transformers` applies its warpers in (Temperature, TopK, TopP, MinP); the
+penalty comes first, as in vLLM, so it also acts under greedy decoding. Every filter follows the
+semantics of the `transformers` warper of the same name: filtered tokens get logit -inf, ties at
+the top_k boundary are kept, and at least one token always survives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+# --- the filters: each takes logits [..., V] and returns new logits [..., V] -------------------
+
+
+def apply_presence_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float):
+    """Subtract `penalty` once from every token marked in the boolean mask `seen` [V].
+
+    Once, however often the token occurred: that is what makes it a *presence* penalty (a
+    frequency penalty would scale with the count).
+    """
+    return logits - penalty * seen.to(logits.dtype)
+
+
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Divide by the temperature: < 1 sharpens the distribution, > 1 flattens it."""
+    return logits / temperature
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the k largest logits (and any tied with the k-th), set the rest to -inf."""
+    k = min(k, logits.shape[-1])
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # [..., 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus filter: keep the smallest set of most likely tokens whose mass reaches p.
+
+    A token survives when the tokens strictly more likely than it hold less than p of the mass,
+    so the most likely token always survives and the token that crosses p is kept too.
+    """
+    probs, order = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
+    drop_sorted = mass_before >= p
+    drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the probability of the best token."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    threshold = min_p * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def filter_logits(logits, temperature=1.0, top_k=None, top_p=None, min_p=None):
+    """Temperature -> top_k -> top_p -> min_p. None (or 0 for top_k/min_p, 1 for top_p) = off."""
+    logits = apply_temperature(logits.float(), temperature)
+    if top_k:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None and top_p < 1.0:
+        logits = top_p_filter(logits, top_p)
+    if min_p:
+        logits = min_p_filter(logits, min_p)
+    return logits
+
+
+# --- settings: explicit argument > the checkpoint's generation_config > greedy --------------
+
+
+def sampling_settings(
+    model, temperature=None, top_k=None, top_p=None, min_p=None, presence_penalty=None
+) -> dict:
+    """Fill every setting left as None from `model.generation_config`, else use the neutral value.
+
+    A checkpoint asks for sampling with `do_sample: true`; without it (or with no
+    generation_config at all, as for a model built by hand) the default is greedy decoding.
+    """
+    gc = getattr(model, "generation_config", None) or {}
+    samples = bool(gc.get("do_sample", False))
+
+    def pick(value, key, neutral):
+        if value is not None:
+            return value
+        return gc[key] if samples and gc.get(key) is not None else neutral
+
+    s = {
+        "temperature": float(pick(temperature, "temperature", 1.0 if samples else 0.0)),
+        "top_k": pick(top_k, "top_k", None),
+        "top_p": pick(top_p, "top_p", None),
+        "min_p": pick(min_p, "min_p", None),
+        # Penalties are not sampling warpers in transformers: take them whatever do_sample says
+        "presence_penalty": float(
+            presence_penalty if presence_penalty is not None else gc.get("presence_penalty") or 0.0
+        ),
+    }
+    _check_settings(s)
+    return s
+
+
+def _check_settings(s: dict):
+    if s["temperature"] < 0:
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {s['temperature']}.")
+    if s["top_k"] is not None and (int(s["top_k"]) != s["top_k"] or s["top_k"] < 0):
+        raise ValueError(f"top_k must be a whole number >= 0 (0 or None: off), got {s['top_k']}.")
+    if s["top_p"] is not None and not 0 < s["top_p"] <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1 or None: off), got {s['top_p']}.")
+    if s["min_p"] is not None and not 0 <= s["min_p"] <= 1:
+        raise ValueError(f"min_p must be in [0, 1] (0 or None: off), got {s['min_p']}.")
+
+
+def eos_ids_for(model, eos_token_ids=None) -> set[int]:
+    """The ids that end generation: the argument, else generation_config, else config.json."""
+    if eos_token_ids is None:
+        gc = getattr(model, "generation_config", None) or {}
+        eos_token_ids = gc.get("eos_token_id")
+    if eos_token_ids is None:
+        eos_token_ids = model.config.eos_token_ids
+    return {eos_token_ids} if isinstance(eos_token_ids, int) else set(eos_token_ids)
+
+
+def _check_prompt(model, prompt_ids: list[int], max_new_tokens: int):
+    """Fail before any work: a context overflow halfway through would waste the whole prefill."""
+    cfg = model.config
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
+    if len(prompt_ids) == 0:
+        raise ValueError(
+            "the prompt is empty: Qwen models have no start token, so give at least "
+            "one token to continue from."
+        )
+    bad = [i for i in prompt_ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise ValueError(
+            f"prompt ids {bad[:5]} are outside this model's vocabulary of "
+            f"{cfg.vocab_size} ids; was the prompt encoded with another tokenizer?"
+        )
+    n, limit = len(prompt_ids), cfg.max_position_embeddings
+    if n + max_new_tokens > limit:
+        fix = (
+            f"lower max_new_tokens to at most {limit - n}"
+            if n < limit
+            else f"shorten the prompt to fewer than {limit} tokens"
+        )
+        raise ValueError(
+            f"the prompt has {n} tokens and max_new_tokens is {max_new_tokens}: "
+            f"{n + max_new_tokens} tokens exceed this model's context of {limit} "
+            f"positions (max_position_embeddings); {fix}."
+        )
+
+
+# --- the decoding loop --------------------------------------------------------------------------
+
+
+def generate_tokens(
+    model,
+    prompt_ids: list[int],
+    *,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    presence_penalty: float | None = None,
+    seed: int | None = None,
+    eos_token_ids: int | Iterable[int] | None = None,
+) -> Iterator[int]:
+    """Yield new token ids one at a time, continuing `prompt_ids`.
+
+    Settings left as None come from the checkpoint's generation_config (see `sampling_settings`);
+    temperature 0 means greedy (argmax). The presence penalty counts only generated tokens, not
+    the prompt: Qwen recommends it against repetition in the model's own output, and counting
+    the prompt would penalise the very words a question asks about. Generation stops after
+    max_new_tokens or after an end-of-sequence id, which is yielded last so the caller can tell
+    why it stopped. With a seed the result is reproducible; without one, sampling draws from
+    torch's global generator (so `torch.manual_seed` also makes it reproducible).
+
+    Raises ValueError at the call, before any work, when prompt + max_new_tokens do not fit the
+    context: max_new_tokens is a request the learner made, so it is refused, not silently
+    shortened.
+    """
+    # Checked here, outside the generator below, so that a mistake raises at the call and not at
+    # the first next(): a generator function would defer even its first line.
+    s = sampling_settings(model, temperature, top_k, top_p, min_p, presence_penalty)
+    prompt_ids = [int(i) for i in prompt_ids]
+    _check_prompt(model, prompt_ids, max_new_tokens)
+    return _decode(model, prompt_ids, max_new_tokens, s, seed, eos_ids_for(model, eos_token_ids))
+
+
+@torch.inference_mode()  # on a generator, torch enters the mode only while the generator runs
+def _decode(model, prompt_ids, max_new_tokens, s, seed, stop) -> Iterator[int]:
+    device = next(model.parameters()).device
+    generator = None
+    if seed is not None and s["temperature"] > 0:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    seen = torch.zeros(model.config.vocab_size, dtype=torch.bool, device=device)
+
+    cache = model.new_cache(batch_size=1)
+    ids = torch.tensor([prompt_ids], device=device)
+    for _ in range(max_new_tokens):
+        logits = model(ids, cache=cache, last_only=True)[0, -1].float()  # [V]
+        token = next_token(logits, seen, s, generator)
+        yield token
+        if token in stop:
+            return
+        seen[token] = True
+        ids = torch.tensor([[token]], device=device)  # the cache holds everything before it
+
+
+def next_token(logits: torch.Tensor, seen: torch.Tensor, s: dict, generator=None) -> int:
+    """Choose the next id from one position's logits [V] with the settings `s`."""
+    if s["presence_penalty"]:
+        logits = apply_presence_penalty(logits, seen, s["presence_penalty"])
+    if s["temperature"] == 0:
+        return int(logits.argmax())
+    logits = filter_logits(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"])
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+# --- text in, text out --------------------------------------------------------------------------
+
+
+def generate(
+    model,
+    tokenizer,
+    prompt: str | list[int],
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    presence_penalty: float | None = None,
+    seed: int | None = None,
+    stream: bool = False,
+    eos_token_ids: int | Iterable[int] | None = None,
+):
+    """Continue `prompt` and return the new text (without the prompt and the end token).
+
+    prompt: a string, encoded as it is (apply a chat template first for a chat model), or a list
+        of token ids.
+    temperature, top_k, top_p, min_p, presence_penalty: None means "what the checkpoint's
+        generation_config.json says" (e.g. Qwen3-0.6B: temperature 0.6, top_k 20, top_p 0.95);
+        a checkpoint without one, or with `do_sample: false`, decodes greedily. Pass
+        temperature=0 to force greedy decoding; top_k, top_p and min_p only act when sampling.
+        Explicit values win key by key (temperature=0.7 keeps the checkpoint's top_k and top_p).
+    max_new_tokens: an upper bound; generation stops earlier at an end token. It is not read
+        from generation_config (Qwen2.5's says 2048, far too slow for a CPU notebook).
+    seed: makes sampling reproducible.
+    stream: return an iterator of text pieces instead of the text; the pieces concatenate to the
+        same text and never split a multi-byte character.
+    eos_token_ids: the ids that end generation (default: generation_config, then config.json).
+    """
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    tokens = generate_tokens(
+        model,
+        ids,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        presence_penalty=presence_penalty,
+        seed=seed,
+        eos_token_ids=eos_token_ids,
+    )
+    stop = eos_ids_for(model, eos_token_ids)
+    content = (t for t in tokens if t not in stop)  # the end token is not part of the text
+    if stream:
+        return stream_text(tokenizer, content)
+    return tokenizer.decode(list(content))
+
+
+def stream_text(tokenizer, token_ids: Iterable[int]) -> Iterator[str]:
+    """Turn a stream of ids into text pieces, each as soon as it is whole.
+
+    One character can span several byte-level tokens (an emoji is 4 bytes). Decoding a partial
+    character gives the replacement character U+FFFD at the end, so such pieces are held back and
+    decoded again together with the next token. Only the ids since the last piece are decoded,
+    which keeps streaming linear in the length of the output.
+    """
+    pending: list[int] = []
+    for token in token_ids:
+        pending.append(token)
+        text = tokenizer.decode(pending)
+        if not text.endswith("\ufffd"):
+            if text:
+                yield text
+            pending = []
+    if pending:  # the output ended inside a character: give what there is
+        yield tokenizer.decode(pending)
