@@ -1,0 +1,324 @@
+"""Loading a Hugging Face checkpoint folder: `config.json` + safetensors weights.
+
+The weights are never copied on the way in: the model is first built on the "meta" device
+(shapes only, no memory), the safetensors files are memory-mapped, and each mapped tensor is
+assigned to its parameter as is. A 1.5 GB bf16 file therefore costs about 1.5 GB of memory, and
+only for the pages the model actually reads. Before anything is built, every tensor name and
+shape is checked against what `config.json` implies, so a mismatch fails with a message that
+names the file and the tensor instead of a shape error deep inside a matrix multiply.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .config import Config
+from .model import CausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# bytes per element of each safetensors dtype, to check that the header and the file size agree
+DTYPE_BYTES = dict(F64=8, F32=4, F16=2, BF16=2, I64=8, I32=4, I16=2, I8=1, U64=8, U32=4, U16=2)
+DTYPE_BYTES.update(U8=1, BOOL=1, F8_E4M3=1, F8_E5M2=1)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded; the message says which file and what to do."""
+
+
+# ---------------------------------------------------------------------------------------------
+# What the config implies
+
+
+def _expected_dims(cfg: Config) -> dict[str, tuple[tuple[int, str], ...]]:
+    """Every tensor the config implies, each dimension with the config field it comes from."""
+    V = (cfg.vocab_size, "vocab_size")
+    H = (cfg.hidden_size, "hidden_size")
+    I = (cfg.intermediate_size, "intermediate_size")
+    D = (cfg.head_dim, "head_dim")
+    Q = (cfg.num_attention_heads * cfg.head_dim, "num_attention_heads * head_dim")
+    KV = (cfg.num_key_value_heads * cfg.head_dim, "num_key_value_heads * head_dim")
+    dims = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        dims[p + "input_layernorm.weight"] = (H,)
+        dims[p + "post_attention_layernorm.weight"] = (H,)
+        for name, out in (("q_proj", Q), ("k_proj", KV), ("v_proj", KV)):
+            dims[p + f"self_attn.{name}.weight"] = (out, H)
+            if cfg.qkv_bias:
+                dims[p + f"self_attn.{name}.bias"] = (out,)
+        dims[p + "self_attn.o_proj.weight"] = (H, Q)
+        if cfg.o_bias:
+            dims[p + "self_attn.o_proj.bias"] = (H,)
+        if cfg.qk_norm:
+            dims[p + "self_attn.q_norm.weight"] = (D,)
+            dims[p + "self_attn.k_norm.weight"] = (D,)
+        dims[p + "mlp.gate_proj.weight"] = (I, H)
+        dims[p + "mlp.up_proj.weight"] = (I, H)
+        dims[p + "mlp.down_proj.weight"] = (H, I)
+    # a tied head reuses the embedding; only an untied one needs weights of its own
+    if not cfg.tie_word_embeddings:
+        dims["lm_head.weight"] = (V, H)
+    return dims
+
+
+def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape for every tensor a checkpoint with this config must hold."""
+    return {k: tuple(n for n, _ in dims) for k, dims in _expected_dims(cfg).items()}
+
+
+def _hint(name: str, cfg: Config) -> str:
+    """Which config.json field decides whether `name` should exist."""
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    if m and int(m.group(1)) >= cfg.num_hidden_layers:
+        return f"config.json says num_hidden_layers = {cfg.num_hidden_layers}"
+    if name.endswith(("q_norm.weight", "k_norm.weight")):
+        return f"QK-Norm weights exist in qwen3 checkpoints only (model_type = {cfg.model_type!r})"
+    if name.endswith("_proj.bias"):
+        return (
+            f"model_type = {cfg.model_type!r}: qwen2 has q/k/v biases, qwen3 has none "
+            f"unless attention_bias is true"
+        )
+    if name == "lm_head.weight":
+        return "tie_word_embeddings is false in config.json, so the output head has its own weights"
+    return f"a {cfg.model_type} model with this config.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading safetensors headers (shapes only, no tensor data)
+
+
+def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Tensor name -> (dtype, shape) from a safetensors file, checking that the file is whole.
+
+    A safetensors file is: 8 bytes (little-endian header length N), N bytes of JSON naming
+    every tensor with its dtype, shape and byte range, then the raw bytes. A download that
+    stopped early leaves a file shorter than its header promises; that is caught here.
+    """
+    size = path.stat().st_size
+    redo = "Download or convert the file again."
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: only {size} bytes, not a safetensors file. {redo}")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise CheckpointError(
+                f"{path}: the header claims {n} bytes but the file holds {size}: the file is "
+                f"truncated or not a safetensors file. {redo}"
+            )
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: the header is not valid JSON ({e}). {redo}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the header is not a table of tensors. {redo}")
+    header.pop("__metadata__", None)
+    out, end = {}, 0
+    for name, info in header.items():
+        try:
+            dtype, shape, (lo, hi) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor {name!r} has a broken header. {redo}") from None
+        if dtype in DTYPE_BYTES and hi - lo != math.prod(shape) * DTYPE_BYTES[dtype]:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} ({dtype}, shape {list(shape)}) should take "
+                f"{math.prod(shape) * DTYPE_BYTES[dtype]} bytes but its header gives {hi - lo}: "
+                f"the file is corrupt. {redo}"
+            )
+        if 8 + n + hi > size:  # name a tensor that does not fit
+            raise CheckpointError(
+                f"{path}: tensor {name!r} ends at byte {8 + n + hi} but the file has only {size} "
+                f"bytes: the file is truncated (an interrupted download?). {redo}"
+            )
+        out[name], end = (dtype, shape), max(end, hi)
+    if 8 + n + end != size:
+        raise CheckpointError(
+            f"{path}: the tensors end at byte {8 + n + end} but the file has {size} bytes: the "
+            f"file is corrupt. {redo}"
+        )
+    return out
+
+
+def _stored_tensors(folder: Path) -> tuple[Path, dict[str, tuple[Path, tuple[int, ...]]]]:
+    """(the file to name in messages, tensor name -> (file that holds it, shape))."""
+    single, index = folder / SINGLE_FILE, folder / INDEX_FILE
+    if single.is_file():
+        return single, {name: (single, shape) for name, (_, shape) in read_header(single).items()}
+    if index.is_file():
+        return index, _read_index(index)
+    pickles = sorted(p.name for p in folder.glob("pytorch_model*.bin"))
+    if pickles:
+        raise CheckpointError(
+            f"{folder}: holds {', '.join(pickles)} (PyTorch pickle weights) but no {SINGLE_FILE}. "
+            f"qwen_mini reads safetensors only, because unpickling a file can run arbitrary "
+            f"code. Convert it once, with transformers, where you trust the file: "
+            f"AutoModelForCausalLM.from_pretrained(folder).save_pretrained(new_folder)."
+        )
+    raise CheckpointError(
+        f"{folder}: no weights found: expected {SINGLE_FILE} or {INDEX_FILE} next to config.json."
+    )
+
+
+def _read_index(index: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Resolve a sharded checkpoint's index, checking each shard holds what the index says."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError) as e:
+        raise CheckpointError(f"{index}: not a valid index file ({e!r}).") from None
+    out, headers = {}, {}
+    for name, shard in weight_map.items():
+        path = index.parent / shard
+        if shard not in headers:
+            if not path.is_file():
+                raise CheckpointError(
+                    f"{index}: maps tensor {name!r} to the shard {shard}, which is not in "
+                    f"{index.parent}. Download the missing shard (every file named in the index "
+                    f"is needed)."
+                )
+            headers[shard] = read_header(path)
+        if name not in headers[shard]:
+            raise CheckpointError(
+                f"{index}: maps tensor {name!r} to {path}, but that file does not contain it. "
+                f"The index and the shards come from different downloads; fetch them again."
+            )
+        out[name] = (path, headers[shard][name][1])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation, then building
+
+
+def validate(
+    cfg: Config, found: dict[str, tuple[int, ...]], where: str, config_file: str = "config.json"
+) -> None:
+    """Check stored tensor shapes `found` against the config; `where` names the weights file."""
+    dims = _expected_dims(cfg)
+    missing = [k for k in dims if k not in found]
+    if missing:
+        raise CheckpointError(
+            f"{where}: tensor {missing[0]!r} is missing ({len(missing)} missing in all); "
+            f"{config_file} requires it ({_hint(missing[0], cfg)}). The weights are incomplete "
+            f"or belong to a different model than {config_file}: use the config.json that came "
+            f"with these weights."
+        )
+    # a tied checkpoint may still store the head (the real Qwen3-0.6B does): accepted, unused
+    extra = [
+        k
+        for k in found
+        if k not in dims and not (k == "lm_head.weight" and cfg.tie_word_embeddings)
+    ]
+    if extra:
+        raise CheckpointError(
+            f"{where}: holds tensor {extra[0]!r} ({len(extra)} unexpected in all), which "
+            f"{config_file} does not describe ({_hint(extra[0], cfg)}). config.json and the "
+            f"weights belong to different models: use the config.json that came with them."
+        )
+    if "lm_head.weight" in found and cfg.tie_word_embeddings:
+        dims = {**dims, "lm_head.weight": dims["model.embed_tokens.weight"]}
+    for name, want in dims.items():
+        got = tuple(found[name])
+        if got == tuple(n for n, _ in want):
+            continue
+        why = "the number of dimensions differs"
+        if len(got) == len(want):
+            n, field = next((n, f) for (n, f), g in zip(want, got, strict=True) if n != g)
+            why = f"{field} = {n} in {config_file}"
+        raise CheckpointError(
+            f"{where}: tensor {name!r} has shape {list(got)}, but {config_file} implies "
+            f"{[n for n, _ in want]} ({why}). config.json and the weights disagree: use the "
+            f"config.json that came with these weights."
+        )
+
+
+@contextmanager
+def _skip_init():
+    """Layers fill their weights with random numbers when built; on the meta device there is
+    nothing to fill, and the first random fill of a meta tensor costs seconds (torch loads its
+    Python reference kernels). The loaded weights replace them anyway, so skip it."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
+def build_model(
+    cfg: Config, tensors: dict[str, torch.Tensor], dtype: torch.dtype | str | None = None
+) -> CausalLM:
+    """Assign validated tensors to a model built on the meta device (no copy unless dtype asks)."""
+    dtype = _dtype(dtype)
+    with torch.device("meta"), _skip_init():
+        model = CausalLM(cfg)  # shapes only: no memory, no random init to overwrite
+    keep = expected_shapes(cfg)
+    state = {k: t if dtype is None else t.to(dtype) for k, t in tensors.items() if k in keep}
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if cfg.tie_word_embeddings:  # assign made two Parameters; make them one again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use e.g. torch.float32 or torch.bfloat16.")
+    return getattr(torch, dtype)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e}).") from None
+
+
+def load_checkpoint(folder: str | Path, dtype: torch.dtype | str | None = None) -> CausalLM:
+    """Load a Hugging Face checkpoint folder into a `CausalLM`, memory-mapped.
+
+    dtype=None keeps the stored dtype (bfloat16 for the released Qwen models); a dtype such as
+    torch.float32 converts each tensor (which then costs memory for the converted copy).
+    The model gets `generation_config` (dict), `source` (the folder) and `is_standin` (False).
+    """
+    folder, dtype = Path(folder).expanduser(), _dtype(dtype)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a folder. Pass the folder that holds config.json.")
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(
+            f"{config_file}: missing. A checkpoint folder needs config.json next to the "
+            f"weights; copy it from where the weights came from."
+        )
+    try:
+        cfg = Config.from_file(config_file)
+    except ValueError as e:  # unknown model_type, missing field, bad JSON
+        raise CheckpointError(str(e)) from None
+    where, stored = _stored_tensors(folder)
+    validate(
+        cfg, {name: shape for name, (_, shape) in stored.items()}, str(where), str(config_file)
+    )
+    tensors, keep = {}, expected_shapes(cfg)
+    for path in sorted({path for path, _ in stored.values()}):
+        with safe_open(str(path), framework="pt") as f:  # memory-mapped: nothing is read yet
+            for name in f.keys():
+                if name in keep and stored[name][0] == path:
+                    tensors[name] = f.get_tensor(name)
+    model = build_model(cfg, tensors, dtype)
+    gen = folder / "generation_config.json"
+    model.generation_config = _read_json(gen) if gen.is_file() else {}
+    model.source, model.is_standin = str(folder), False
+    return model

@@ -1,0 +1,208 @@
+"""From a model name such as "Qwen/Qwen3-0.6B" to a loaded model.
+
+A name resolves, in order, to:
+  1. an explicit folder (any path that exists),
+  2. `$QWEN_MINI_WEIGHTS/<repo-name>` or `$QWEN_MINI_WEIGHTS/<org>/<repo-name>`,
+  3. the local Hugging Face cache (where transformers and huggingface_hub keep what they fetch),
+  4. a download from the Hugging Face hub, only when asked (download=True or
+     QWEN_MINI_DOWNLOAD=1) and only on a machine that is online,
+  5. the stand-in: a tiny random model of the same architecture (see standin.py), with a notice.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .checkpoint import INDEX_FILE, SINGLE_FILE, load_checkpoint
+from .model import CausalLM
+from .standin import load_standin
+
+# the models this course is written for, with their model_type
+KNOWN_MODELS = {"Qwen/Qwen3-0.6B": "qwen3", "Qwen/Qwen2.5-0.5B": "qwen2"}
+
+WEIGHTS_ENV, DOWNLOAD_ENV = "QWEN_MINI_WEIGHTS", "QWEN_MINI_DOWNLOAD"
+# what a download fetches: configs, safetensors weights and tokenizer files, never pickles
+DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
+
+
+class DownloadError(RuntimeError):
+    """A download that was asked for and could not happen."""
+
+
+@dataclass
+class Resolved:
+    """Where a name resolved: a folder and how it was found, or None and source 'stand-in'."""
+
+    path: Path | None
+    source: str  # 'path' | 'env' | 'hf-cache' | 'download' | 'stand-in'
+    searched: list[str] = field(default_factory=list)  # the places looked at, for messages
+
+
+def known_name(name: str) -> str | None:
+    """The canonical known name for `name`, case-insensitive, with or without "Qwen/"."""
+    for known in KNOWN_MODELS:
+        if name.lower() in (known.lower(), known.split("/")[1].lower()):
+            return known
+    return None
+
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face cache: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    return Path.home() / ".cache" / "huggingface" / "hub"
+
+
+def _has_weights(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (
+        (folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file()
+    )
+
+
+def _in_env(name: str, searched: list[str]) -> Path | None:
+    root = os.environ.get(WEIGHTS_ENV)
+    if not root:
+        searched.append(f"${WEIGHTS_ENV} (not set)")
+        return None
+    root = Path(root).expanduser()
+    candidates = [root / name.split("/")[-1]] + ([root / name] if "/" in name else [])
+    for folder in candidates:
+        if folder.is_dir():
+            return folder
+    searched.append(f"${WEIGHTS_ENV}: " + ", ".join(str(c) for c in candidates))
+    return None
+
+
+def _in_hf_cache(name: str, searched: list[str]) -> Path | None:
+    """The snapshot `refs/main` points at, in the cache layout models--<org>--<name>/snapshots."""
+    repo = hf_cache_dir() / ("models--" + name.replace("/", "--"))
+    searched.append(f"Hugging Face cache: {repo}")
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        snapshot = repo / "snapshots" / ref.read_text().strip()
+        return snapshot if _has_weights(snapshot) else None
+    return None
+
+
+def _looks_like_repo(name: str) -> bool:
+    """True for a hub name such as "Qwen/Qwen3-0.6B"; False for paths like "./x" or "/data/x"."""
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
+
+
+def _find(name_or_path: str | Path, searched: list[str]) -> tuple[Path, str] | None:
+    """(folder, source) on this machine, or None; each place looked at goes into `searched`."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path, "path"
+    name = known_name(str(name_or_path)) or str(name_or_path)
+    if not (_looks_like_repo(name) or "/" not in name):
+        return None  # a path that does not exist: nowhere else to look
+    if (found := _in_env(name, searched)) is not None:
+        return found, "env"
+    if _looks_like_repo(name) and (found := _in_hf_cache(name, searched)) is not None:
+        return found, "hf-cache"
+    return None
+
+
+def find_local(name_or_path: str | Path) -> Path | None:
+    """A folder on this machine holding the model, or None. Looks at, in order: an explicit
+    folder, $QWEN_MINI_WEIGHTS/<repo-name> (or <org>/<repo-name>), the Hugging Face cache."""
+    found = _find(name_or_path, [])
+    return None if found is None else found[0]
+
+
+def _download(name: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise DownloadError(
+            "downloading needs the huggingface_hub package: pip install 'qwen-mini[download]' "
+            "(or pip install huggingface_hub)."
+        ) from None
+    try:
+        return Path(snapshot_download(repo_id=name, allow_patterns=DOWNLOAD_PATTERNS))
+    except Exception as e:  # offline, unknown repo, gated model, disk full...
+        raise DownloadError(
+            f"could not download {name} from the Hugging Face hub ({type(e).__name__}: {e}). "
+            f"Is this machine online? Otherwise download the folder elsewhere and point "
+            f"${WEIGHTS_ENV} at the folder that holds it."
+        ) from None
+
+
+def _download_wanted(download: bool) -> bool:
+    return download or os.environ.get(DOWNLOAD_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def resolve(name_or_path: str | Path, download: bool = False) -> Resolved:
+    """Where `name_or_path` resolves: a local folder, a download (only if asked: download=True
+    or QWEN_MINI_DOWNLOAD=1), or the stand-in of a known name. Anything else is a ValueError."""
+    searched = []
+    if (found := _find(name_or_path, searched)) is not None:
+        return Resolved(found[0], found[1], searched)
+    name = known_name(str(name_or_path)) or str(name_or_path)
+    if _looks_like_repo(name) and _download_wanted(download):
+        return Resolved(_download(name), "download", searched)
+    if name in KNOWN_MODELS:  # each known model has a stand-in
+        return Resolved(None, "stand-in", searched)
+    raise ValueError(
+        f"{str(name_or_path)!r} is not a folder and not a known model name. Known names: "
+        f"{', '.join(KNOWN_MODELS)}; or pass the path of a checkpoint folder (config.json + "
+        f"model.safetensors). Looked in: {'; '.join(searched) or 'nowhere else'}."
+    )
+
+
+def standin_notice(name: str, searched: list[str]) -> str:
+    short = name.split("/")[-1]
+    return "\n".join(
+        [
+            f"qwen_mini: no weights found for {name}; using its STAND-IN instead.",
+            "  Looked in: " + "; ".join(searched) + ".",
+            "  The stand-in is a tiny random model with the real architecture and tokenizer: every",
+            "  notebook runs, but the text it writes is gibberish.",
+            "  To use the real weights, do one of:",
+            f"    - put the checkpoint folder at ${WEIGHTS_ENV}/{short} and set {WEIGHTS_ENV};",
+            f"    - have it in the Hugging Face cache ({hf_cache_dir()}), where transformers and",
+            "      huggingface_hub put what they download;",
+            f"    - on a machine that is online: load_model({name!r}, download=True),",
+            f"      `qwen-mini generate {name} PROMPT --download`, or set {DOWNLOAD_ENV}=1.",
+        ]
+    )
+
+
+def load_model(
+    name_or_path: str | Path, dtype: torch.dtype | str | None = None, *, download: bool = False
+) -> CausalLM:
+    """Load a model by name ("Qwen/Qwen3-0.6B") or folder; the stand-in if no weights are found.
+
+    The model's `source` says where it came from and `is_standin` whether it is the stand-in.
+    """
+    found = resolve(name_or_path, download=download)
+    if found.path is not None:
+        return load_checkpoint(found.path, dtype)
+    name = known_name(str(name_or_path))
+    print(standin_notice(name, found.searched), file=sys.stderr)
+    return load_standin(name, dtype)
+
+
+def describe(name_or_path: str | Path) -> str:
+    """One line saying where a name resolves (for `qwen-mini doctor`); never downloads."""
+    searched = []
+    found = _find(name_or_path, searched)
+    where = "; ".join(searched) or "nowhere else"
+    if found is not None:
+        path, source = found
+        complete = "" if _has_weights(path) else " (no config.json + safetensors weights there)"
+        return f"{name_or_path}: {path} [{source}]{complete}"
+    name = known_name(str(name_or_path))
+    if name is None:
+        return f"{name_or_path}: not found and not a known model name (looked in: {where})"
+    then = "a download (QWEN_MINI_DOWNLOAD=1)" if _download_wanted(False) else "the stand-in"
+    return f"{name_or_path}: no local weights, {then} will be used (looked in: {where})"

@@ -1,0 +1,106 @@
+"""Tiny random models with the real architectures: what runs when the real weights are absent.
+
+Each stand-in has the real model's `model_type`, QKV bias or QK-Norm, weight tying, RoPE base,
+context length, vocabulary (151,936 rows, so the real tokenizer works) and end-of-sequence ids,
+but only 2 layers of width 64. It runs every notebook in seconds; its text is gibberish.
+Its weights go through the same validation and assignment as a real checkpoint's.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from .checkpoint import build_model, expected_shapes, validate
+from .config import Config
+from .model import CausalLM
+
+# shared by both stand-ins: small, but with grouped KV heads (4 query heads share 2 KV heads)
+_TINY = dict(
+    hidden_size=64,
+    intermediate_size=192,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    rms_norm_eps=1e-6,
+    torch_dtype="bfloat16",
+)
+
+# config.json and generation_config.json of each stand-in, real values except the sizes above
+STANDINS = {
+    "Qwen/Qwen3-0.6B": {
+        "config": dict(
+            _TINY,
+            model_type="qwen3",
+            attention_bias=False,
+            head_dim=32,  # != 64 / 4, as in the real model (128 != 1024 / 16)
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            bos_token_id=151643,
+            eos_token_id=151645,
+        ),
+        "generation_config": {
+            "bos_token_id": 151643,
+            "do_sample": True,
+            "eos_token_id": [151645, 151643],
+            "pad_token_id": 151643,
+            "temperature": 0.6,
+            "top_k": 20,
+            "top_p": 0.95,
+        },
+    },
+    "Qwen/Qwen2.5-0.5B": {
+        "config": dict(
+            _TINY,
+            model_type="qwen2",
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            bos_token_id=151643,
+            eos_token_id=151643,
+        ),
+        # the base model's generation_config.json: greedy, stops at <|endoftext|>
+        "generation_config": {
+            "bos_token_id": 151643,
+            "do_sample": False,
+            "eos_token_id": 151643,
+            "max_new_tokens": 2048,
+        },
+    },
+}
+
+SEED = 0
+
+
+def _random_weights(cfg: Config, seed: int) -> dict[str, torch.Tensor]:
+    """A state dict of the shapes `cfg` implies: norms at 1, everything else small and random.
+
+    Uniform noise, not Gaussian: torch draws uniform numbers with the same scalar code on every
+    CPU, so the stand-in is bit-identical on every machine.
+    """
+    g, dtype = torch.Generator().manual_seed(seed), getattr(torch, cfg.dtype)
+    weights = {}
+    for name, shape in expected_shapes(cfg).items():
+        if "norm" in name:
+            weights[name] = torch.ones(shape, dtype=dtype)
+        else:  # uniform on [-0.1, 0.1]: std 0.058, enough for the logits to differ visibly
+            weights[name] = torch.empty(shape, dtype=dtype).uniform_(-0.1, 0.1, generator=g)
+    return weights
+
+
+def load_standin(name: str, dtype: torch.dtype | str | None = None) -> CausalLM:
+    """The stand-in for a known model name, e.g. "Qwen/Qwen3-0.6B" (same weights every call)."""
+    if name not in STANDINS:
+        raise ValueError(f"no stand-in for {name!r}; stand-ins exist for: {', '.join(STANDINS)}.")
+    spec = STANDINS[name]
+    cfg = Config.from_dict(spec["config"], source=f"stand-in {name}")
+    weights = _random_weights(cfg, SEED)
+    # the same checks and the same assignment as a checkpoint read from disk
+    validate(cfg, {k: tuple(w.shape) for k, w in weights.items()}, f"stand-in {name}")
+    model = build_model(cfg, weights, dtype)
+    model.generation_config = copy.deepcopy(spec["generation_config"])
+    model.source, model.is_standin = "stand-in", True
+    return model
