@@ -1,0 +1,251 @@
+"""Regenerate the learner notebooks (`course/`) and the exported modules from `solutions/`.
+
+    python -m qwen_mini.build           # write what is out of date
+    python -m qwen_mini.build --check   # change nothing; exit 1 listing what is out of date
+
+A solution notebook is the single source of truth. Its learner copy keeps every cell except
+those tagged `solution-only`; each `### BEGIN SOLUTION` … `### END SOLUTION` region becomes one
+`raise NotImplementedError(...)` line and `### BEGIN HIDDEN TESTS` regions disappear; outputs,
+execution counts and widget state are cleared and the kernelspec is normalised. Cells tagged
+`export` are written, solutions included, into the module named by the notebook metadata
+`{"qwen_mini": {"export": "qwen_mini/<module>.py"}}`, then sorted and formatted by ruff.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from . import notebooks as nbs
+from .notebooks import NotebookError
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+GENERATED = "# Generated from solutions/"
+# per-cell metadata that records a past execution rather than anything about the cell
+EXECUTION_METADATA = ("execution", "ExecuteTime")
+
+
+# --- learner copies ------------------------------------------------------------------------------
+
+
+def learner_notebook(nb: dict, name: str) -> dict:
+    """The learner copy of solution notebook `nb` (file name `name`)."""
+    out = copy.deepcopy(nb)
+    ids = [nbs.check_ids(nbs.source(c)) for c in nb["cells"]]
+    cells = []
+    for i, cell in enumerate(out["cells"]):
+        if "solution-only" in nbs.tags(cell):
+            continue
+        text = nbs.source(cell)
+        if nbs.has_markers(text):
+            # a region with no check in its own cell is usually the one checked just below it
+            later = [x for found in ids[i + 1 :] for x in found]
+            place = nbs.where(f"solutions/{name}", i, cell)
+            code = cell.get("cell_type") == "code"
+            text = nbs.learner_source(text, place, code=code, fallback_id=(later or [""])[0])
+        cell["source"] = nbs.source_lines(text)
+        if cell.get("cell_type") == "code":
+            cell["outputs"], cell["execution_count"] = [], None
+        for key in EXECUTION_METADATA:
+            cell.get("metadata", {}).pop(key, None)
+        cells.append(cell)
+    out["cells"] = cells
+    meta = out.setdefault("metadata", {})
+    meta.pop("widgets", None)
+    meta["kernelspec"] = dict(KERNELSPEC)
+    return out
+
+
+# --- exported modules ----------------------------------------------------------------------------
+
+
+def export_target(nb: dict, name: str) -> str | None:
+    """The module a notebook exports to ("qwen_mini/foundations.py"), checked; None if none."""
+    target = nb.get("metadata", {}).get("qwen_mini", {}).get("export")
+    tagged = any("export" in nbs.tags(c) for c in nb["cells"])
+    if target is None:
+        if tagged:
+            raise NotebookError(
+                f"solutions/{name}: cells are tagged `export` but the notebook metadata has no "
+                '{"qwen_mini": {"export": "qwen_mini/<module>.py"}}'
+            )
+        return None
+    parts = Path(target).parts
+    if not (len(parts) >= 2 and parts[0] == "qwen_mini" and target.endswith(".py")) or (
+        ".." in parts
+    ):
+        raise NotebookError(f"solutions/{name}: export target {target!r} is not qwen_mini/<x>.py")
+    if not tagged:
+        raise NotebookError(f"solutions/{name}: exports to {target} but no cell is tagged export")
+    return target
+
+
+def header(name: str) -> str:
+    # two lines: the sentence does not fit in the 100-column limit on one
+    return (
+        f"# Generated from solutions/{name} by python -m qwen_mini.build —\n"
+        "# edit the notebook, not this file.\n"
+    )
+
+
+def module_source(nb: dict, name: str) -> str:
+    """The export cells joined, before ruff sorts imports and formats."""
+    parts = []
+    for i, cell in enumerate(nb["cells"]):
+        if cell.get("cell_type") != "code" or "export" not in nbs.tags(cell):
+            continue
+        place = nbs.where(f"solutions/{name}", i, cell)
+        text = without_exercise_calls(nbs.export_source(nbs.source(cell), place), place)
+        if text.strip():
+            parts.append(text.strip("\n"))
+    # two blank lines between cells is always valid formatting at the top level
+    return header(name) + "\n" + "\n\n\n".join(parts) + "\n"
+
+
+def _is_exercise_call(node: ast.AST) -> bool:
+    if isinstance(node, ast.Expr | ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Call):
+        func = node.value.func
+        return isinstance(func, ast.Name) and func.id in ("check", "use")
+    if isinstance(node, ast.ImportFrom) and node.module == "qwen_mini.exercises":
+        return all(alias.name in ("check", "use") for alias in node.names)
+    return False
+
+
+def without_exercise_calls(text: str, place: str) -> str:
+    """Drop top-level `check(...)`, `x = use(...)` and their import: no exercises in the package."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError as e:
+        raise NotebookError(f"{place}: an export cell must be plain Python ({e})") from None
+    lines = text.splitlines(keepends=True)
+    drop = set()
+    for node in tree.body:
+        if _is_exercise_call(node):
+            drop.update(range(node.lineno - 1, node.end_lineno))
+    return "".join(line for n, line in enumerate(lines) if n not in drop).rstrip() + "\n"
+
+
+def ruff_executable() -> str | None:
+    beside = Path(sys.executable).with_name("ruff")
+    return str(beside) if beside.exists() else shutil.which("ruff")
+
+
+def _ruff(args: list[str], text: str, path: Path) -> subprocess.CompletedProcess:
+    cmd = [ruff_executable(), *args, "--stdin-filename", str(path), "-"]
+    return subprocess.run(cmd, input=text, capture_output=True, text=True, cwd=path.parent)
+
+
+def ruff_format(text: str, path: Path) -> str:
+    """Sort imports and format like `ruff check --select I --fix` + `ruff format` would."""
+    if ruff_executable() is None:
+        print("note: ruff not found; exported modules are written unformatted", file=sys.stderr)
+        return text
+    for args in (["check", "--select", "I", "--fix", "--quiet"], ["format", "--quiet"]):
+        done = _ruff(args, text, path)
+        if done.returncode != 0 or not done.stdout:
+            raise NotebookError(f"{path}: ruff {args[0]} failed:\n{done.stdout}{done.stderr}")
+        text = done.stdout
+    return text
+
+
+def ruff_problems(text: str, path: Path) -> str:
+    if ruff_executable() is None:
+        return ""
+    done = _ruff(["check", "--quiet", "--output-format", "concise"], text, path)
+    return "" if done.returncode == 0 else (done.stdout + done.stderr).strip()
+
+
+# --- the whole tree ------------------------------------------------------------------------------
+
+
+def expected_files(root: Path) -> dict[Path, str]:
+    """{path: text} of every generated file, computed from root/solutions."""
+    files, exporters = {}, {}
+    for path in sorted((root / "solutions").glob("*.ipynb")):
+        nb = nbs.load(path)
+        files[root / "course" / path.name] = nbs.dumps(learner_notebook(nb, path.name))
+        target = export_target(nb, path.name)
+        if target is None:
+            continue
+        if target in exporters:
+            raise NotebookError(
+                f"solutions/{path.name} and solutions/{exporters[target]} both export {target}"
+            )
+        exporters[target] = path.name
+        files[root / target] = ruff_format(module_source(nb, path.name), root / target)
+    return files
+
+
+def stale_files(root: Path, expected: dict[Path, str]) -> list[Path]:
+    """Generated files whose solution notebook is gone: course notebooks and marked modules."""
+    found = list((root / "course").glob("*.ipynb"))
+    for module in (root / "qwen_mini").rglob("*.py"):
+        with open(module, encoding="utf-8", errors="replace") as f:
+            if f.read(len(GENERATED)) == GENERATED:
+                found.append(module)
+    return sorted(p for p in found if p not in expected)
+
+
+def out_of_date(expected: dict[Path, str]) -> list[Path]:
+    def current(path: Path) -> str | None:
+        return path.read_text(encoding="utf-8") if path.exists() else None
+
+    return [path for path, text in expected.items() if current(path) != text]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m qwen_mini.build",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if stale")
+    parser.add_argument("--root", type=Path, default=ROOT, help="repository root")
+    args = parser.parse_args(argv)
+    root = args.root.resolve()
+    try:
+        expected = expected_files(root)
+    except NotebookError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    changed, stale = out_of_date(expected), stale_files(root, expected)
+
+    def rel(path: Path) -> str:
+        return path.relative_to(root).as_posix()
+
+    if args.check:
+        for path in changed:
+            print(f"out of date: {rel(path)}")
+        for path in stale:
+            print(f"no source in solutions/: {rel(path)} (delete it, or restore its notebook)")
+        if changed or stale:
+            print("run: python -m qwen_mini.build")
+            return 1
+        print(f"up to date: {len(expected)} generated files")
+        return 0
+    for path in changed:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(expected[path], encoding="utf-8")
+        print(f"wrote {rel(path)}")
+    for path in stale:
+        print(f"warning: {rel(path)} has no source in solutions/; delete it if it is not needed")
+    problems = [
+        f"{rel(p)}:\n{found}"
+        for p, text in expected.items()
+        if p.suffix == ".py" and (found := ruff_problems(text, p))
+    ]
+    for problem in problems:
+        print(f"ruff check fails on a generated module — fix the notebook:\n{problem}")
+    if not changed:
+        print(f"up to date: {len(expected)} generated files")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

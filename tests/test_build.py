@@ -1,0 +1,207 @@
+"""The course builder on a copy of the fixture chapter (tests/fixtures/solutions)."""
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from qwen_mini import build
+from qwen_mini import notebooks as nbs
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURE = REPO / "tests" / "fixtures" / "solutions" / "ch99_fixture.ipynb"
+RUFF = build.ruff_executable()
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """A repository root holding the fixture chapter and the project's ruff settings."""
+    (tmp_path / "solutions").mkdir()
+    # ruff sorts `qwen_mini.exercises` as first-party only if it finds that package
+    (tmp_path / "qwen_mini" / "exercises").mkdir(parents=True)
+    (tmp_path / "qwen_mini" / "exercises" / "__init__.py").write_text("")
+    shutil.copy(FIXTURE, tmp_path / "solutions")
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    return tmp_path
+
+
+def built(tree, capsys):
+    assert build.main(["--root", str(tree)]) == 0
+    capsys.readouterr()
+    return json.loads((tree / "course" / FIXTURE.name).read_text())
+
+
+def cell(nb, cell_id):
+    return next(c for c in nb["cells"] if c["id"] == cell_id)
+
+
+def write_cells(tree, *sources, name="bad.ipynb"):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(s, id=f"c{i}") for i, s in enumerate(sources)]
+    nbformat.write(nb, tree / "solutions" / name)
+
+
+# --- regions -------------------------------------------------------------------------------------
+
+
+def test_solution_becomes_one_line_at_the_markers_indentation():
+    text = (
+        "def f(x):\n"
+        "    if x:\n"
+        "        ### BEGIN SOLUTION\n"
+        "        return 1\n"
+        "        ### END SOLUTION\n"
+        "    ### BEGIN SOLUTION\n"
+        "    y = 2\n"
+        "    return y\n"
+        "    ### END SOLUTION\n"
+        "\n"
+        'check("ch07.f", f)'
+    )
+    raise_line = 'raise NotImplementedError("ch07.f: replace this line with your code")'
+    assert nbs.learner_source(text, "here") == (
+        f'def f(x):\n    if x:\n        {raise_line}\n    {raise_line}\n\ncheck("ch07.f", f)'
+    )
+    assert nbs.export_source(text, "here") == (
+        'def f(x):\n    if x:\n        return 1\n    y = 2\n    return y\n\ncheck("ch07.f", f)'
+    )
+
+
+def test_hidden_tests_are_dropped_from_both_copies():
+    text = (
+        "x = 1\n\n### BEGIN HIDDEN TESTS\nassert x == 1\n### END HIDDEN TESTS\n\ncheck('ch0.x', x)"
+    )
+    assert nbs.learner_source(text, "here") == "x = 1\n\ncheck('ch0.x', x)"
+    assert nbs.export_source(text, "here") == "x = 1\n\n\ncheck('ch0.x', x)"
+
+
+@pytest.mark.parametrize(
+    "source, problem",
+    [
+        ("### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION", "line 2: .* cannot nest"),
+        ("### BEGIN SOLUTION\n### BEGIN HIDDEN TESTS\n", "line 2: .* cannot nest"),
+        ("x = 1\n    ### BEGIN SOLUTION\nx = 2", "opened on line 2 is never closed"),
+        ("### END SOLUTION", "line 1: .* without a matching BEGIN"),
+        ("### BEGIN SOLUTION\n### END HIDDEN TESTS", "the solution region is open"),
+    ],
+)
+def test_bad_markers_name_the_notebook_and_cell(tree, capsys, source, problem):
+    write_cells(tree, "x = 1", source)
+    assert build.main(["--root", str(tree)]) == 1
+    err = capsys.readouterr().err
+    assert "solutions/bad.ipynb: cell 1 (id c1)" in err
+    assert pytest.importorskip("re").search(problem, err)
+
+
+# --- learner copies ------------------------------------------------------------------------------
+
+
+def test_learner_copy(tree, capsys):
+    solution = json.loads(FIXTURE.read_text())
+    nb = built(tree, capsys)
+    nbformat.validate(nbformat.reads(json.dumps(nb), as_version=4))
+    assert "solution-demo" not in [c["id"] for c in nb["cells"]]
+    assert [c["id"] for c in nb["cells"]] == [
+        c["id"] for c in solution["cells"] if "solution-only" not in nbs.tags(c)
+    ]
+    for c in nb["cells"]:
+        text = nbs.source(c)
+        assert "### " not in text and "BEGIN" not in text
+        assert "execution" not in c["metadata"]
+        if c["cell_type"] == "code":
+            assert c["outputs"] == [] and c["execution_count"] is None
+    assert "return x + 1" not in nbs.source(cell(nb, "add-one"))
+    assert 'raise NotImplementedError("ch99.add_one:' in nbs.source(cell(nb, "add-one"))
+    assert "assert mean_square" not in nbs.source(cell(nb, "mean-square"))  # hidden test
+    assert "YOUR ANSWER HERE" in nbs.source(cell(nb, "why-md"))
+    assert cell(nb, "add-one")["metadata"]["tags"] == ["export"]
+    assert "widgets" not in nb["metadata"]
+    assert nb["metadata"]["kernelspec"]["name"] == "python3"
+    assert cell(nb, "intro") == cell(solution, "intro")  # untouched cells stay as they were
+
+
+@pytest.mark.skipif(RUFF is None, reason="ruff is not installed")
+def test_learner_copy_passes_ruff(tree, capsys):
+    built(tree, capsys)
+    course = tree / "course" / FIXTURE.name
+    for args in (["check"], ["format", "--check"]):
+        done = subprocess.run([RUFF, *args, str(course)], cwd=tree, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+# --- exported modules ----------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(RUFF is None, reason="ruff is not installed")
+def test_exported_module(tree, capsys):
+    built(tree, capsys)
+    module = tree / "qwen_mini" / "ch99_fixture.py"
+    text = module.read_text()
+    assert text.startswith(
+        "# Generated from solutions/ch99_fixture.ipynb by python -m qwen_mini.build —\n"
+        "# edit the notebook, not this file.\n"
+    )
+    assert "return x + 1" in text and "return x.pow(2).mean(dim)" in text  # solutions kept
+    assert "### " not in text and "check(" not in text and "assert mean_square" not in text
+    assert "print(" not in text  # only export cells
+    for args in (["check"], ["format", "--check"]):
+        done = subprocess.run([RUFF, *args, str(module)], cwd=tree, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+    namespace = {}
+    exec(compile(text, str(module), "exec"), namespace)
+    assert namespace["Scale"](3)(2) == 6
+
+
+def test_export_needs_a_target(tree, capsys):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1", id="a")])
+    nb.cells[0].metadata["tags"] = ["export"]
+    nbformat.write(nb, tree / "solutions" / "ch98_x.ipynb")
+    assert build.main(["--root", str(tree)]) == 1
+    assert "solutions/ch98_x.ipynb: cells are tagged `export` but" in capsys.readouterr().err
+
+
+def test_exercise_calls_are_not_exported():
+    text = (
+        "from qwen_mini.exercises import check, use\n"
+        "def f():\n    check('a.b', 1)  # inside a function: kept\n"
+        'check("ch07.f", f)\n'
+        'g = use("ch07.f",\n        f)\n'
+        "x = 1\n"
+    )
+    assert build.without_exercise_calls(text, "here") == (
+        "def f():\n    check('a.b', 1)  # inside a function: kept\nx = 1\n"
+    )
+
+
+# --- check mode ----------------------------------------------------------------------------------
+
+
+def test_check_detects_drift(tree, capsys):
+    built(tree, capsys)
+    assert build.main(["--root", str(tree), "--check"]) == 0
+    assert "up to date" in capsys.readouterr().out
+
+    course = tree / "course" / FIXTURE.name
+    edited = course.read_text().replace("ch99.add_one: replace", "ch99.add_one: REPLACE")
+    course.write_text(edited)
+    solution = tree / "solutions" / FIXTURE.name
+    solution.write_text(solution.read_text().replace("return x + 1", "return 1 + x"))
+    stale = tree / "course" / "ch97_gone.ipynb"
+    stale.write_text("{}")
+    before = {p: p.read_text() for p in tree.rglob("*") if p.is_file()}
+
+    assert build.main(["--root", str(tree), "--check"]) == 1
+    out = capsys.readouterr().out
+    assert "out of date: course/ch99_fixture.ipynb" in out
+    assert "out of date: qwen_mini/ch99_fixture.py" in out
+    assert "no source in solutions/: course/ch97_gone.ipynb" in out
+    assert "run: python -m qwen_mini.build" in out
+    assert before == {p: p.read_text() for p in tree.rglob("*") if p.is_file()}  # nothing written
+
+    stale.unlink()
+    built(tree, capsys)
+    assert "return 1 + x" in (tree / "qwen_mini" / "ch99_fixture.py").read_text()
+    assert build.main(["--root", str(tree), "--check"]) == 0

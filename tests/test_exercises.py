@@ -1,0 +1,155 @@
+"""check() / use() and the assertion helpers, on the test-only chapter 99 (tests/fixtures)."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from qwen_mini import exercises as ex
+
+FIXTURES = Path(__file__).parent / "fixtures"
+os.environ.setdefault(ex.PATH_ENV, str(FIXTURES / "exercises"))
+
+
+def add_one(x):
+    return x + 1
+
+
+def add_two(x):  # wrong: the package reference is right, so a pass would mean it tested that
+    return x + 2
+
+
+def add_one_float(x):  # passes the public checks, fails the hidden one (int dtype)
+    return x + 1.0
+
+
+def not_yet(x):
+    raise NotImplementedError("ch99.add_one: replace this line with your code")
+
+
+def crashes(x):
+    return x.no_such_method()
+
+
+@pytest.fixture(params=["learner", "solutions", "course"])
+def mode(request, monkeypatch):
+    monkeypatch.setenv("QWEN_MINI_CHECKS", request.param)
+    return request.param
+
+
+@pytest.fixture
+def learner(monkeypatch):
+    monkeypatch.delenv("QWEN_MINI_CHECKS", raising=False)
+
+
+def test_pass_prints_the_count(learner, capsys):
+    assert ex.check("ch99.add_one", add_one) is True
+    assert capsys.readouterr().out == "✓ ch99.add_one: passed 2/2 public checks\n"
+
+
+def test_wrong_object_fails_although_the_reference_is_right(learner, capsys):
+    assert ex.check("ch99.add_one", add_two) is False
+    out = capsys.readouterr().out
+    assert out.startswith("✗ ch99.add_one: public check 1 failed: add_one([1, 2]): expected 2")
+    assert "got 3 (2 of 2 values differ)" in out and out.count("\n") == 1
+
+
+def test_not_implemented(learner, capsys):
+    assert ex.check("ch99.add_one", not_yet) is False
+    assert capsys.readouterr().out == "○ ch99.add_one: not implemented yet\n"
+
+
+def test_learner_mode_never_raises(learner, capsys):
+    assert ex.check("ch99.add_one", crashes) is False
+    assert "your code raised AttributeError" in capsys.readouterr().out
+    assert ex.check("ch99.no_such_exercise", add_one) is False
+    assert "unknown exercise 'ch99.no_such_exercise'" in capsys.readouterr().out
+    assert ex.check("ch99.add_one", 42) is False  # not even callable
+
+
+@pytest.mark.parametrize(
+    "obj, status", [(add_one, "passed"), (add_two, "failed"), (not_yet, "not-implemented")]
+)
+def test_modes(mode, obj, status, capsys):
+    raises = {
+        "learner": False,
+        "solutions": status != "passed",
+        "course": status != "not-implemented",
+    }
+    if raises[mode]:
+        with pytest.raises(ex.CheckError, match=f"QWEN_MINI_CHECKS={mode}"):
+            ex.check("ch99.add_one", obj)
+    else:
+        assert ex.check("ch99.add_one", obj) is (status == "passed")
+
+
+def test_unknown_mode_is_an_error(monkeypatch):
+    monkeypatch.setenv("QWEN_MINI_CHECKS", "strict")
+    with pytest.raises(ValueError, match="learner, solutions, course"):
+        ex.check("ch99.add_one", add_one)
+
+
+def test_hidden_checks_only_when_asked():
+    assert ex.run_checks("ch99.add_one", add_one_float).ok
+    result = ex.run_checks("ch99.add_one", add_one_float, hidden=True)
+    assert result.status == "failed" and "keeps integers integer" in result.message
+    assert (result.passed, result.total) == (2, 3)
+
+
+def test_checks_leave_the_learners_random_state_alone(learner, capsys):
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    ex.check("ch99.mean_square", lambda x, dim=-1: x.pow(2).mean(dim))
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_use_falls_back_to_the_reference(learner, capsys):
+    class Scale:
+        def __init__(self, factor):
+            self.factor = factor
+
+        def __call__(self, x):
+            return x * self.factor
+
+    class Broken(Scale):
+        def __call__(self, x):
+            return x
+
+    assert ex.use("ch99.Scale", Scale) is Scale
+    assert "using your ch99.Scale" in capsys.readouterr().out
+    assert ex.use("ch99.Scale", Broken) is ex.reference("ch99.Scale")
+    assert "using the package's ch99.Scale: yours is not passing yet" in capsys.readouterr().out
+
+
+def test_registry():
+    assert [e.id for e in ex.exercises("ch99")] == [
+        "ch99.add_one",
+        "ch99.mean_square",
+        "ch99.Scale",
+    ]
+    assert ex.get("ch99.mean_square").points == 2
+
+
+def test_expect_close_messages():
+    with pytest.raises(AssertionError) as info:
+        ex.expect_close("y", torch.tensor([1.0, 2.5]), torch.tensor([1.0, 2.0]), atol=1e-3, rtol=0)
+    assert str(info.value) == (
+        "y: expected 2 at index [1], got 2.5 (max abs diff 0.5; tolerance 0.001 + 0·|expected|)"
+    )
+    with pytest.raises(AssertionError, match=r"expected shape \(2, 3\), got \(3, 2\)"):
+        ex.expect_close("y", torch.zeros(3, 2), torch.zeros(2, 3))
+    with pytest.raises(AssertionError, match="got None"):
+        ex.expect_close("y", None, torch.zeros(2))
+    with pytest.raises(AssertionError, match="got nan"):
+        ex.expect_close("y", torch.tensor([float("nan")]), torch.tensor([0.0]))
+    ex.expect_close("y", torch.tensor([1.0]).bfloat16(), torch.tensor([1.001]), atol=1e-2, rtol=0)
+
+
+def test_expect_equal_messages():
+    ex.expect_equal("n", 3, 3)
+    with pytest.raises(AssertionError, match=r"^shape: expected \(1, 2\), got \(2, 1\)$"):
+        ex.expect_equal("shape", (2, 1), (1, 2))
+    with pytest.raises(AssertionError, match="1 of 2 values differ"):
+        ex.expect_equal("ids", torch.tensor([1, 2]), torch.tensor([1, 3]))
