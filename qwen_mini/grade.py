@@ -38,6 +38,7 @@ from .notebooks import NotebookError
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT_CAP = 10_000  # characters of printed output kept per exercise
+OUTPUT_LIMIT = 1_000_000  # an exercise that prints more than this scores 0
 PROCESS_OUTPUT_CAP = 20_000  # bytes kept of what the process wrote to its stdout / stderr fds
 FILE_SIZE_LIMIT = 64 * 2**20  # bytes: a submission may write files, but not fill the disk
 
@@ -518,12 +519,19 @@ def grade_notebook(path: Path, ref: Reference, zygote: Zygote, options) -> Grade
     with tempfile.TemporaryDirectory(prefix="qwen-mini-grade-") as tmp:
         _run_steps(steps, ref, zygote, Path(tmp), options, grades)
     for exercise, entry in grades.exercises.items():
-        if entry["status"] == "passed":
-            entry["points"] = points[exercise]
-        if entry.pop("output_chars", 0) > OUTPUT_CAP:
+        printed = entry.pop("output_chars", 0)
+        if printed > OUTPUT_LIMIT:
+            entry.update(
+                status="output",
+                message=f"printed {printed:,} characters (the limit is {OUTPUT_LIMIT:,}); "
+                "remove the debugging prints and submit again",
+            )
+        elif printed > OUTPUT_CAP:
             grades.warnings.append(
                 f"{exercise}: printed a lot of output; kept the first {OUTPUT_CAP} characters"
             )
+        if entry["status"] == "passed":
+            entry["points"] = points[exercise]
     return grades
 
 

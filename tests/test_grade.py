@@ -171,13 +171,15 @@ def test_later_copy_of_a_duplicate_is_graded_with_a_warning(graded):
     )
 
 
-def test_printing_megabytes_is_capped_but_graded(graded):
+def test_printing_megabytes_scores_zero_and_is_capped(graded):
     _, _, rows, reports = graded
     report = reports["chatty"]
-    assert rows["chatty"][-1] == "4"
-    assert len(report["exercises"]["ch99.add_one"]["output"]) <= grade.OUTPUT_CAP
+    entry = report["exercises"]["ch99.add_one"]
+    assert entry["status"] == "output" and entry["points"] == 0
+    assert "5,100,000 characters" in entry["message"]
+    assert rows["chatty"][-1] == "3"  # the other exercises still count
+    assert len(entry["output"]) <= grade.OUTPUT_CAP
     assert len(report["process_output"]) <= grade.PROCESS_OUTPUT_CAP
-    assert any("printed a lot" in w for w in report["warnings"])
     assert any("3000000 bytes" in w for w in report["warnings"])
 
 
