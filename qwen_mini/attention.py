@@ -1,18 +1,14 @@
-"""Chapter 1: causal self-attention with grouped KV heads and a KV cache."""
+# Generated from solutions/ch01_attention.ipynb by python -m qwen_mini.build —
+# edit the notebook, not this file.
 
-from __future__ import annotations
+"""Chapter 1: causal self-attention with grouped KV heads, a KV cache and KV-cache sizes."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import Config
-from .foundations import RMSNorm, apply_rope
-
-
-def repeat_kv(k: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """[B, H_kv, T, D] -> [B, H_kv * n_rep, T, D]: each KV head serves n_rep query heads."""
-    return k.repeat_interleave(n_rep, dim=1)
+from qwen_mini.config import Config
+from qwen_mini.foundations import RMSNorm, apply_rope
 
 
 def causal_mask(t_new: int, t_total: int, device=None) -> torch.Tensor:
@@ -21,9 +17,43 @@ def causal_mask(t_new: int, t_total: int, device=None) -> torch.Tensor:
     The new queries sit at the end of the sequence: query i is position t_total - t_new + i and
     sees every key up to and including itself.
     """
-    q_pos = torch.arange(t_total - t_new, t_total, device=device)[:, None]
-    k_pos = torch.arange(t_total, device=device)[None, :]
-    return k_pos <= q_pos
+    q_pos = torch.arange(t_total - t_new, t_total, device=device)[:, None]  # column
+    k_pos = torch.arange(t_total, device=device)[None, :]  # row
+    return k_pos <= q_pos  # broadcasts to [t_new, t_total]
+
+
+def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None):
+    """q [..., T_q, D], k [..., T_k, D] -> weights [..., T_q, T_k]; each row sums to 1.
+
+    mask: bool [T_q, T_k] (or broadcastable), True where attention is allowed.
+    """
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # [..., T_q, T_k]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))  # exp(-inf) = 0: no weight at all
+    return scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+
+
+def attention(q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Scaled dot-product attention: q [..., T_q, D], k, v [..., T_k, D] -> [..., T_q, D]."""
+    return attention_weights(q, k, mask) @ v
+
+
+def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """[B, T, n_heads * D] -> [B, n_heads, T, D]."""
+    B, T, _ = x.shape
+    return x.view(B, T, n_heads, -1).transpose(1, 2)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """[B, n_heads, T, D] -> [B, T, n_heads * D]: the inverse of split_heads."""
+    B, H, T, D = x.shape
+    return x.transpose(1, 2).reshape(B, T, H * D)
+
+
+def repeat_kv(k: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, H_kv, T, D] -> [B, H_kv * n_rep, T, D]: each KV head serves n_rep query heads."""
+    # heads 0,0,1,1,...: query head h reads KV head h // n_rep, as the checkpoint was trained
+    return k.repeat_interleave(n_rep, dim=1)
 
 
 class KVCache:
@@ -34,8 +64,15 @@ class KVCache:
     describing exactly the tokens it described before.
     """
 
-    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
         self.shape = (batch_size, num_kv_heads, 0, head_dim)
         self.k = [torch.empty(self.shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.empty(self.shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -52,6 +89,7 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     def _grow(self, buf: torch.Tensor, needed: int) -> torch.Tensor:
+        """A bigger buffer (`needed` slots, or double the old size, or 16), same content."""
         new = buf.new_empty(buf.shape[:2] + (max(needed, 2 * buf.shape[2], 16),) + buf.shape[3:])
         new[:, :, : self.length] = buf[:, :, : self.length]
         return new
@@ -67,27 +105,34 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: Config, layer_idx: int = 0):
         super().__init__()
-        self.layer_idx = layer_idx
+        self.layer_idx = layer_idx  # which layer of the cache this module reads and writes
         self.n_heads, self.n_kv_heads, self.head_dim = (
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_bias)
-        if cfg.qk_norm:
+        if cfg.qk_norm:  # given: one RMSNorm over head_dim, shared by all heads (chapter 2)
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None):  # x: [B, T, hidden]
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # QK-Norm comes before RoPE (see FACTS / chapter 2)
+    def forward(self, x, cos, sin, cache: KVCache | None = None):
+        """x [B, T, hidden] -> [B, T, hidden]; cos, sin [T, head_dim] are the new positions' angles.
+
+        With a cache, the T new tokens also attend to the cached ones, and their keys and values
+        are stored in it (the caller advances cache.length once every layer has run).
+        """
+        T = x.shape[1]
+        q = split_heads(self.q_proj(x), self.n_heads)  # [B, H, T, D]
+        k = split_heads(self.k_proj(x), self.n_kv_heads)  # [B, H_kv, T, D]
+        v = split_heads(self.v_proj(x), self.n_kv_heads)
+        if self.q_norm is not None:  # QK-Norm: after the projection, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # [B, H_kv, T_total, D]
@@ -95,10 +140,27 @@ class Attention(nn.Module):
         if T == 1:
             mask, is_causal = None, False  # one new token sees everything cached
         elif T == t_total:
-            mask, is_causal = None, True
+            mask, is_causal = None, True  # no cache: the plain (top-left) triangle is right
         else:
-            mask, is_causal = causal_mask(T, t_total, x.device), False
-        rep = self.n_heads // self.n_kv_heads
-        k, v = repeat_kv(k, rep), repeat_kv(v, rep)
+            mask, is_causal = causal_mask(T, t_total, x.device), False  # queries after a cache
+        n_rep = self.n_heads // self.n_kv_heads
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return self.o_proj(merge_heads(out))
+
+
+def kv_bytes_per_token(cfg, dtype_bytes: int = 2) -> int:
+    """Bytes the KV cache grows by per token: a key and a value per KV head in every layer."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+
+
+def regroup_kv_heads(w: torch.Tensor, head_dim: int, n_kv_new: int) -> torch.Tensor:
+    """[n_kv * head_dim, ...] -> [n_kv_new * head_dim, ...]: repeat heads, or average them."""
+    n_kv = w.shape[0] // head_dim
+    heads = w.reshape(n_kv, head_dim, *w.shape[1:])
+    if n_kv_new >= n_kv:  # each head copied next to itself: query head h still finds h // n_rep
+        heads = heads.repeat_interleave(n_kv_new // n_kv, dim=0)
+    else:  # neighbours share queries in GQA, so neighbours are merged; average in float32
+        group = heads.reshape(n_kv_new, n_kv // n_kv_new, head_dim, *w.shape[1:])
+        heads = group.float().mean(dim=1).to(w.dtype)
+    return heads.reshape(n_kv_new * head_dim, *w.shape[1:])
