@@ -63,7 +63,7 @@ class Exercise:
 @dataclass
 class Result:
     exercise_id: str
-    status: str  # "passed", "failed" or "not-implemented"
+    status: str  # "passed", "failed", "not-implemented" (or "unknown" exercise id)
     passed: int  # checks passed before the first failure
     total: int
     message: str = ""  # the first failure
@@ -73,6 +73,12 @@ class Result:
     @property
     def ok(self) -> bool:
         return self.status == "passed"
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def _ipython_display_(self):
+        pass  # check() has printed its line; a notebook should not echo the object as well
 
     def line(self) -> str:
         if self.status == "passed":
@@ -213,10 +219,11 @@ def mode() -> str:
     return value
 
 
-def check(exercise_id: str, obj) -> bool:
+def check(exercise_id: str, obj) -> Result:
     """Test `obj` (not the package's copy) with the exercise's public checks; print one line.
 
-    Returns True when every check passes. Raises only in the `solutions` and `course` modes.
+    Returns the result, true when every check passes (and shown as nothing in a notebook).
+    Raises only in the `solutions` and `course` modes.
     """
     current = mode()
     try:
@@ -225,7 +232,7 @@ def check(exercise_id: str, obj) -> bool:
         if current != "learner":
             raise
         print(f"? {e}")
-        return False
+        return Result(exercise_id, "unknown", 0, 0, str(e))
     print(result.line())
     if current == "solutions" and not result.ok:
         raise CheckError(f"{result.line()} (QWEN_MINI_CHECKS=solutions: the solution must pass)")
@@ -234,7 +241,7 @@ def check(exercise_id: str, obj) -> bool:
             f"{result.line()} (QWEN_MINI_CHECKS=course: a learner copy must report 'not "
             "implemented yet'; a pass means the solution leaked or the checks cannot fail)"
         )
-    return result.ok
+    return result
 
 
 def use(exercise_id: str, obj):
