@@ -1,10 +1,27 @@
-"""Chapter 0 building blocks: RMSNorm, the SwiGLU feed-forward and rotary position embeddings."""
+# Generated from solutions/ch00_foundations.ipynb by python -m qwen_mini.build —
+# edit the notebook, not this file.
 
-from __future__ import annotations
+"""Chapter 0 building blocks: the safetensors header, RMSNorm, the SwiGLU feed-forward, rotary
+position embeddings, parameter counts and the zero-layer tied model."""
+
+import json
+import struct
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def read_safetensors_header(path: str | Path) -> dict:
+    """The JSON header of a .safetensors file, as a dict.
+
+    {tensor name: {"dtype": "BF16", "shape": [...], "data_offsets": [begin, end]}, ...}, plus
+    "__metadata__" when the file has one. Reads the header only, never the tensor data.
+    """
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))  # header length: unsigned 64-bit, little-endian
+        return json.loads(f.read(n))
 
 
 class RMSNorm(nn.Module):
@@ -46,7 +63,7 @@ def rope_cos_sin(
     """
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     angles = positions.float()[:, None] * inv_freq[None, :]  # [T, head_dim/2]
-    angles = torch.cat([angles, angles], dim=-1)  # [T, head_dim]
+    angles = torch.cat([angles, angles], dim=-1)  # [T, head_dim]: both halves of a pair
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -59,3 +76,49 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each (i, i + D/2) pair of x [B, H, T, D] by its position's angle (cos, sin [T, D])."""
     return x * cos + rotate_half(x) * sin
+
+
+def count_params(config: dict) -> dict:
+    """Parameters of a dense Qwen2 / Qwen3 model, part by part, from its config.json as a dict.
+
+    `total` counts the head even when it is tied to the embedding; `unique` counts it once.
+    """
+    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    n_q = config["num_attention_heads"]
+    n_kv = config.get("num_key_value_heads", n_q)
+    d = config.get("head_dim") or h // n_q
+    q_out, kv_out = n_q * d, n_kv * d
+
+    attention = h * q_out + 2 * h * kv_out + q_out * h  # q, k, v, o
+    if config["model_type"] == "qwen2":
+        attention += q_out + 2 * kv_out  # Qwen2: biases on q, k, v
+    else:
+        attention += 2 * d  # Qwen3: QK-Norm, one RMSNorm weight per head_dim for q and for k
+        if config.get("attention_bias", False):
+            attention += q_out + 2 * kv_out + h  # biases on q, k, v and o
+    per_layer = attention + 3 * h * inter + 2 * h  # + SwiGLU + two RMSNorms
+
+    counts = {
+        "embed_tokens": vocab * h,
+        "per_layer": per_layer,
+        "layers": per_layer * config["num_hidden_layers"],
+        "norm": h,
+        "lm_head": vocab * h,
+    }
+    counts["total"] = counts["embed_tokens"] + counts["layers"] + h + counts["lm_head"]
+    tied = config.get("tie_word_embeddings", False)
+    counts["unique"] = counts["total"] - (counts["lm_head"] if tied else 0)
+    return counts
+
+
+class ZeroLayerLM(nn.Module):
+    """A Qwen model without decoder layers: embedding -> final RMSNorm -> tied head."""
+
+    def __init__(self, embed_tokens: nn.Embedding, norm: nn.Module):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.norm = norm
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T, vocab]
+        x = self.norm(self.embed_tokens(input_ids))
+        return F.linear(x, self.embed_tokens.weight)  # tied: the head is the embedding
