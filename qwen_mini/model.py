@@ -45,11 +45,18 @@ class CausalLM(nn.Module):
 
     def new_cache(self, batch_size: int = 1) -> KVCache:
         cfg, w = self.config, self.model.embed_tokens.weight
-        return KVCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim,
-                       dtype=w.dtype, device=w.device)
+        return KVCache(
+            cfg.num_hidden_layers,
+            batch_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            dtype=w.dtype,
+            device=w.device,
+        )
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None,
-                last_only: bool = False) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, cache: KVCache | None = None, last_only: bool = False
+    ) -> torch.Tensor:
         B, T = input_ids.shape
         start = cache.length if cache is not None else 0
         limit = self.config.max_position_embeddings
@@ -57,7 +64,8 @@ class CausalLM(nn.Module):
             raise ValueError(
                 f"{start + T} tokens ({start} cached + {T} new) exceed this model's context of "
                 f"{limit} positions (max_position_embeddings); shorten the prompt or start a "
-                f"new cache.")
+                f"new cache."
+            )
         if cache is not None and cache.shape[0] != B:
             raise ValueError(f"the cache was made for batch size {cache.shape[0]}, not {B}.")
         x = self.model.embed_tokens(input_ids)  # [B, T, hidden]
