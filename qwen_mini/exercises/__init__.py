@@ -258,6 +258,16 @@ def use(exercise_id: str, obj):
 # --- assertion helpers for check functions -------------------------------------------------------
 
 
+def seeded(seed: int) -> torch.Generator:
+    """A generator of its own, so check inputs are the same whatever the learner seeded."""
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
+    """Standard-normal test input, drawn in float32 (identical on every machine), then cast."""
+    return torch.randn(*shape, generator=seeded(seed)).to(dtype)
+
+
 def _short(value, limit: int = 120) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -19,7 +19,14 @@ from safetensors.torch import save_file
 
 from qwen_mini import foundations as ref
 from qwen_mini.config import Config
-from qwen_mini.exercises import expect_close, expect_equal, hidden, public, register
+from qwen_mini.exercises import (
+    expect_close,
+    expect_equal,
+    hidden,
+    public,
+    randn,
+    register,
+)
 from qwen_mini.model import CausalLM
 
 register(
@@ -57,14 +64,6 @@ register(
     points=1,
     title="Zero-layer model: embedding -> final norm -> tied head",
 )
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _randn(*shape, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
-    return torch.randn(*shape, generator=_gen(seed)).to(dtype)
 
 
 def _write(data: bytes) -> Path:
@@ -167,7 +166,7 @@ def _(RMSNorm):
 
 @public("ch00.rms_norm")
 def _(RMSNorm):
-    x, w = _randn(2, 3, 16, seed=1), _randn(16, seed=2)
+    x, w = randn(2, 3, 16, seed=1), randn(16, seed=2)
     expect_close(
         "float32 input, random weight",
         _norm(RMSNorm, 16, w)(x),
@@ -176,7 +175,7 @@ def _(RMSNorm):
         rtol=1e-5,
     )
     # normalise in float32, cast back to bfloat16, then multiply by the weight: bit for bit
-    xb, wb = (_randn(4, 64, seed=3) * 5).bfloat16(), (1 + _randn(64, seed=4) / 4).bfloat16()
+    xb, wb = (randn(4, 64, seed=3) * 5).bfloat16(), (1 + randn(64, seed=4) / 4).bfloat16()
     got = _norm(RMSNorm, 64, wb).bfloat16()(xb)
     expect_equal("dtype of the output for bfloat16 input", got.dtype, torch.bfloat16)
     expect_close(
@@ -190,7 +189,7 @@ def _(RMSNorm):
 
 @hidden("ch00.rms_norm")
 def _(RMSNorm):
-    x = _randn(3, 32, seed=5)
+    x = randn(3, 32, seed=5)
     m = RMSNorm(32)
     expect_close(
         "scale invariance: norm(1000 x) == norm(x)", m(1000 * x), m(x), atol=1e-5, rtol=1e-5
@@ -211,7 +210,7 @@ def _(RMSNorm):
         rtol=1e-5,
     )
     # large values in bfloat16: squares near 1e6 must not be rounded or overflow
-    xb = (_randn(2, 128, seed=6) * 1000).bfloat16()
+    xb = (randn(2, 128, seed=6) * 1000).bfloat16()
     expect_close(
         "large bfloat16 values",
         RMSNorm(128)(xb).float(),
@@ -241,7 +240,7 @@ def _(MLP):
     r = ref.MLP(8, 16)
     m = MLP(8, 16)
     m.load_state_dict(r.state_dict())
-    x = _randn(2, 3, 8, seed=7)
+    x = randn(2, 3, 8, seed=7)
     expect_close("MLP vs reference, same weights", m(x), r(x), atol=1e-6, rtol=1e-5)
 
 
@@ -268,7 +267,7 @@ def _(MLP):
     r = ref.MLP(12, 20)
     m = MLP(12, 20)
     m.load_state_dict(r.state_dict())
-    x = _randn(1, 5, 12, seed=8)
+    x = randn(1, 5, 12, seed=8)
     expect_close("gate and up are not swapped", m(x), r(x), atol=1e-6, rtol=1e-5)
     with torch.no_grad():
         m.gate_proj.weight.zero_()
@@ -337,7 +336,7 @@ def _(rotate_half):
 
 @public("ch00.rotate_half")
 def _(rotate_half):
-    x = _randn(2, 3, 5, 8, seed=9)
+    x = randn(2, 3, 5, 8, seed=9)
     expect_close(
         "rotate_half vs reference on [2, 3, 5, 8]",
         rotate_half(x),
@@ -349,7 +348,7 @@ def _(rotate_half):
 
 @hidden("ch00.rotate_half")
 def _(rotate_half):
-    x = _randn(4, 6, seed=10)
+    x = randn(4, 6, seed=10)
     expect_close("rotating twice negates", rotate_half(rotate_half(x)), -x, atol=0, rtol=0)
     expect_close(
         "x . rotate_half(x) = 0 (a quarter turn)",
@@ -367,7 +366,7 @@ def _rope(apply_rope, x, positions, theta=10000.0):
 
 @public("ch00.apply_rope")
 def _(apply_rope):
-    x = _randn(2, 3, 6, 16, seed=11)
+    x = randn(2, 3, 6, 16, seed=11)
     cos, sin = ref.rope_cos_sin(torch.arange(6), 16, 10000.0)
     expect_close(
         "apply_rope vs reference",
@@ -391,7 +390,7 @@ def _(apply_rope):
         atol=1e-6,
         rtol=1e-6,
     )
-    y = _randn(1, 2, 4, 8, seed=12)
+    y = randn(1, 2, 4, 8, seed=12)
     expect_close(
         "a rotation keeps the length of every vector",
         _rope(apply_rope, y, range(4)).norm(dim=-1),
@@ -403,8 +402,8 @@ def _(apply_rope):
 
 @hidden("ch00.apply_rope")
 def _(apply_rope):
-    q, k = _randn(1, 1, 1, 32, seed=13), _randn(1, 1, 1, 32, seed=14)
-    x = _randn(1, 2, 1, 32, seed=15)
+    q, k = randn(1, 1, 1, 32, seed=13), randn(1, 1, 1, 32, seed=14)
+    x = randn(1, 2, 1, 32, seed=15)
     expect_close(
         "position 0 leaves the vector unchanged", _rope(apply_rope, x, [0]), x, atol=0, rtol=0
     )
@@ -526,7 +525,7 @@ def _tiny_tied_model(seed: int) -> CausalLM:
     torch.manual_seed(seed)
     m = CausalLM(cfg)
     with torch.no_grad():
-        m.model.norm.weight.copy_(1 + _randn(16, seed=seed) / 4)
+        m.model.norm.weight.copy_(1 + randn(16, seed=seed) / 4)
     return m.eval()
 
 
@@ -547,7 +546,7 @@ def _(ZeroLayerLM):
     # highest, so the model predicts its input back
     emb = torch.nn.Embedding(30, 16)
     with torch.no_grad():
-        emb.weight.copy_(F.normalize(_randn(30, 16, seed=1), dim=-1))
+        emb.weight.copy_(F.normalize(randn(30, 16, seed=1), dim=-1))
     z = ZeroLayerLM(emb, ref.RMSNorm(16))
     ids = torch.arange(30)[None]
     with torch.no_grad():
@@ -561,7 +560,7 @@ def _(ZeroLayerLM):
     # with an identity norm the logits are exactly e_i . e_j: the head is the embedding itself
     emb = torch.nn.Embedding(12, 6)
     with torch.no_grad():
-        emb.weight.copy_(_randn(12, 6, seed=2))
+        emb.weight.copy_(randn(12, 6, seed=2))
     z = ZeroLayerLM(emb, torch.nn.Identity())
     ids = torch.tensor([[3, 0, 11]])
     with torch.no_grad():

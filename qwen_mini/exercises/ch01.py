@@ -15,7 +15,15 @@ import torch.nn.functional as F
 
 from qwen_mini import attention as ref
 from qwen_mini.config import Config
-from qwen_mini.exercises import expect_close, expect_equal, hidden, public, register
+from qwen_mini.exercises import (
+    expect_close,
+    expect_equal,
+    hidden,
+    public,
+    randn,
+    register,
+    seeded,
+)
 from qwen_mini.foundations import apply_rope, rope_cos_sin
 
 register(
@@ -73,14 +81,6 @@ register(
     points=2,
     title="Regroup KV heads: repeat (GQA -> MHA) or mean-pool (GQA -> MQA)",
 )
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _randn(*shape, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
-    return torch.randn(*shape, generator=_gen(seed)).to(dtype)
 
 
 # --- causal_mask --------------------------------------------------------------------------------
@@ -143,7 +143,7 @@ def _(attention_weights):
 
 @public("ch01.attention_weights")
 def _(attention_weights):
-    q, k = _randn(2, 3, 5, 8, seed=1), _randn(2, 3, 5, 8, seed=2)
+    q, k = randn(2, 3, 5, 8, seed=1), randn(2, 3, 5, 8, seed=2)
     mask = torch.ones(5, 5, dtype=torch.bool).tril()
     w = attention_weights(q, k, mask)
     expect_equal("shape", tuple(w.shape), (2, 3, 5, 5))
@@ -168,7 +168,7 @@ def _(attention_weights):
 
 @hidden("ch01.attention_weights")
 def _(attention_weights):
-    q, k = _randn(1, 2, 3, 16, seed=3), _randn(1, 2, 6, 16, seed=4)
+    q, k = randn(1, 2, 3, 16, seed=3), randn(1, 2, 6, 16, seed=4)
     mask = ref.causal_mask(3, 6)
     expect_close(
         "offset mask",
@@ -193,7 +193,7 @@ def _(attention_weights):
 
 @public("ch01.attention")
 def _(attention):
-    q, k, v = (_randn(2, 4, 6, 8, seed=s) for s in (5, 6, 7))
+    q, k, v = (randn(2, 4, 6, 8, seed=s) for s in (5, 6, 7))
     expect_close(
         "attention(q, k, v) vs F.scaled_dot_product_attention",
         attention(q, k, v),
@@ -214,7 +214,7 @@ def _(attention):
 @public("ch01.attention")
 def _(attention):
     # one key: the weight is 1 whatever the score, so the output is that key's value
-    q, k, v = _randn(1, 1, 3, 4, seed=8), _randn(1, 1, 1, 4, seed=9), _randn(1, 1, 1, 4, seed=10)
+    q, k, v = randn(1, 1, 3, 4, seed=8), randn(1, 1, 1, 4, seed=9), randn(1, 1, 1, 4, seed=10)
     expect_close(
         "a single key returns its value",
         attention(q, k, v),
@@ -226,7 +226,7 @@ def _(attention):
 
 @hidden("ch01.attention")
 def _(attention):
-    q, k, v = _randn(1, 2, 2, 8, seed=11), _randn(1, 2, 7, 8, seed=12), _randn(1, 2, 7, 8, seed=13)
+    q, k, v = randn(1, 2, 2, 8, seed=11), randn(1, 2, 7, 8, seed=12), randn(1, 2, 7, 8, seed=13)
     mask = ref.causal_mask(2, 7)
     expect_close(
         "offset mask",
@@ -251,7 +251,7 @@ def _(split_heads):
 
 @public("ch01.split_heads")
 def _(split_heads):
-    x = _randn(1, 5, 32, seed=14)
+    x = randn(1, 5, 32, seed=14)
     expect_close(
         "split_heads vs reference", split_heads(x, 8), ref.split_heads(x, 8), atol=0, rtol=0
     )
@@ -259,7 +259,7 @@ def _(split_heads):
 
 @hidden("ch01.split_heads")
 def _(split_heads):
-    x = _randn(3, 2, 24, seed=15)
+    x = randn(3, 2, 24, seed=15)
     for h in (1, 2, 6, 24):
         expect_close(
             f"split_heads(x, {h})", split_heads(x, h), ref.split_heads(x, h), atol=0, rtol=0
@@ -280,7 +280,7 @@ def _(merge_heads):
 
 @public("ch01.merge_heads")
 def _(merge_heads):
-    x = _randn(2, 3, 16, seed=16)
+    x = randn(2, 3, 16, seed=16)
     expect_close(
         "merge_heads(split_heads(x, 4)) == x", merge_heads(ref.split_heads(x, 4)), x, atol=0, rtol=0
     )
@@ -289,7 +289,7 @@ def _(merge_heads):
 @hidden("ch01.merge_heads")
 def _(merge_heads):
     # attention outputs come out of a transpose: the input need not be contiguous
-    x = _randn(2, 4, 3, 10, seed=17)[..., ::2]  # [2, 4, 3, 5], every other number
+    x = randn(2, 4, 3, 10, seed=17)[..., ::2]  # [2, 4, 3, 5], every other number
     expect_close("non-contiguous input", merge_heads(x), ref.merge_heads(x), atol=0, rtol=0)
 
 
@@ -308,7 +308,7 @@ def _(repeat_kv):
 
 @public("ch01.repeat_kv")
 def _(repeat_kv):
-    k = _randn(2, 4, 5, 8, seed=18)
+    k = randn(2, 4, 5, 8, seed=18)
     out = repeat_kv(k, 2)
     expect_equal("repeat_kv([2, 4, 5, 8], 2).shape", tuple(out.shape), (2, 8, 5, 8))
     for h in range(8):
@@ -319,11 +319,11 @@ def _(repeat_kv):
 
 @hidden("ch01.repeat_kv")
 def _(repeat_kv):
-    k = _randn(1, 3, 4, 6, seed=19)
+    k = randn(1, 3, 4, 6, seed=19)
     expect_close("n_rep = 1 changes nothing", repeat_kv(k, 1), k, atol=0, rtol=0)
     expect_close("repeat_kv vs reference", repeat_kv(k, 4), ref.repeat_kv(k, 4), atol=0, rtol=0)
     # independent: torch's own grouped attention maps query heads to KV heads the same way
-    q, v = _randn(1, 12, 4, 6, seed=20), _randn(1, 3, 4, 6, seed=21)
+    q, v = randn(1, 12, 4, 6, seed=20), randn(1, 3, 4, 6, seed=21)
     expect_close(
         "attention on repeated heads vs F.scaled_dot_product_attention(enable_gqa)",
         F.scaled_dot_product_attention(q, repeat_kv(k, 4), repeat_kv(v, 4)),
@@ -337,7 +337,7 @@ def _(repeat_kv):
 
 
 def _kv(T, seed, heads=2, dim=4):
-    return _randn(1, heads, T, dim, seed=seed), _randn(1, heads, T, dim, seed=seed + 1000)
+    return randn(1, heads, T, dim, seed=seed), randn(1, heads, T, dim, seed=seed + 1000)
 
 
 @public("ch01.KVCache")
@@ -432,7 +432,7 @@ def _pair(Attention, cfg, seed):
     reference = ref.Attention(cfg, 1)
     with torch.no_grad():  # random norm weights too, so that a skipped QK-Norm shows
         for p in reference.parameters():
-            p.copy_(torch.randn(p.shape, generator=_gen(seed + p.numel())) * 0.3)
+            p.copy_(torch.randn(p.shape, generator=seeded(seed + p.numel())) * 0.3)
     mine = Attention(cfg, 1)
     mine.load_state_dict(reference.state_dict())
     return mine, reference
@@ -446,7 +446,7 @@ def _rope(cfg, start, T):
 def _(Attention):
     cfg = _tiny_cfg(qwen3=True)  # QK-Norm, 4 query heads sharing 2 KV heads, head_dim 8 != 16/4
     mine, reference = _pair(Attention, cfg, 22)
-    x = _randn(2, 5, 16, seed=23)
+    x = randn(2, 5, 16, seed=23)
     cos, sin = _rope(cfg, 0, 5)
     with torch.no_grad():
         got = mine(x, cos, sin)
@@ -464,7 +464,7 @@ def _(Attention):
 def _(Attention):
     cfg = _tiny_cfg(qwen3=True)
     mine, reference = _pair(Attention, cfg, 24)
-    x = _randn(1, 7, 16, seed=25)
+    x = randn(1, 7, 16, seed=25)
     with torch.no_grad():
         full = reference(x, *_rope(cfg, 0, 7))
         cache = ref.KVCache(
@@ -487,7 +487,7 @@ def _(Attention):
 def _(Attention):
     cfg = _tiny_cfg(qwen3=False, n_heads=6, n_kv=2, head_dim=4)  # Qwen2 style: bias, no norm
     mine, reference = _pair(Attention, cfg, 26)
-    x = _randn(2, 4, 16, seed=27)
+    x = randn(2, 4, 16, seed=27)
     with torch.no_grad():
         expect_close(
             "Qwen2-style layer (QKV bias)",
@@ -499,7 +499,7 @@ def _(Attention):
     # independent of the package: torch's grouped attention on the same projections
     cfg = _tiny_cfg(qwen3=False, n_heads=4, n_kv=1, head_dim=8)  # MQA
     mine, _ = _pair(Attention, cfg, 28)
-    x = _randn(1, 6, 16, seed=29)
+    x = randn(1, 6, 16, seed=29)
     cos, sin = _rope(cfg, 0, 6)
     with torch.no_grad():
         q = mine.q_proj(x).view(1, 6, 4, 8).transpose(1, 2)
@@ -578,7 +578,7 @@ def _(regroup_kv_heads):
 
 @public("ch01.regroup_kv_heads")
 def _(regroup_kv_heads):
-    w, b = _randn(4 * 8, 16, seed=30), _randn(4 * 8, seed=31)  # 4 KV heads, head_dim 8
+    w, b = randn(4 * 8, 16, seed=30), randn(4 * 8, seed=31)  # 4 KV heads, head_dim 8
     expect_close(
         "weight 4 -> 8 heads",
         regroup_kv_heads(w, 8, 8),
@@ -608,8 +608,8 @@ def _(regroup_kv_heads):
 @hidden("ch01.regroup_kv_heads")
 def _(regroup_kv_heads):
     # repeating KV heads must not change attention at all: compare projections -> attention
-    w = _randn(2 * 4, 6, seed=32)
-    x = _randn(1, 5, 6, seed=33)
+    w = randn(2 * 4, 6, seed=32)
+    x = randn(1, 5, 6, seed=33)
     k_gqa = (x @ w.T).view(1, 5, 2, 4).transpose(1, 2)
     k_mha = (x @ regroup_kv_heads(w, 4, 4).T).view(1, 5, 4, 4).transpose(1, 2)
     expect_close(
