@@ -23,7 +23,7 @@ from qwen_mini.hub import (
 )
 from qwen_mini.standin import STANDINS, load_standin
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = Path(__file__).resolve().parent.parent / "assets" / "configs"
 REAL = {"Qwen/Qwen3-0.6B": CONFIGS / "qwen3-0.6b", "Qwen/Qwen2.5-0.5B": CONFIGS / "qwen2.5-0.5b"}
 QWEN3 = "Qwen/Qwen3-0.6B"
 # what the stand-ins share with the real models (everything but the sizes)
