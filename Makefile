@@ -21,8 +21,11 @@ $(VENV)/.dev: pyproject.toml $(VENV)/.course
 	$(BIN)/pip install -e ".[dev]"
 	touch $@
 
+# Jupyter refuses to start as root unless told; containers and lab machines often run as root.
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
+
 lab: $(VENV)/.course
-	$(BIN)/jupyter lab --notebook-dir=course
+	$(BIN)/jupyter lab --notebook-dir=course $(ROOT_FLAG)
 
 # Notebooks run on the embedded stand-in weights, whatever weights this machine may hold.
 NB_ENV := env -u QWEN_MINI_WEIGHTS -u QWEN_MINI_DOWNLOAD HF_HUB_OFFLINE=1 HF_HUB_CACHE=$(CURDIR)/$(VENV)/empty-hf-cache
