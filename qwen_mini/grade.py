@@ -359,6 +359,11 @@ def serve_zygote(sock_fd: int, chapter: str) -> None:
 
 class Zygote:
     def __init__(self, chapter: str, workdir: Path):
+        self.chapter, self.workdir = chapter, workdir
+        self._spawn()
+
+    def _spawn(self) -> None:
+        chapter, workdir = self.chapter, self.workdir
         self.sock, theirs = socket.socketpair()
         env = dict(os.environ, QWEN_MINI_CHECKS="learner")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -407,11 +412,20 @@ class Zygote:
         return json.loads(line)
 
     def start(self, job_file: Path, fds: list[int]) -> int:
-        socket.send_fds(self.sock, [str(job_file).encode()], fds)
-        reply = self.receive(timeout=60)
-        if not reply or "pid" not in reply:
-            raise GraderError(f"the grading worker stopped: {self.log.read_text(errors='replace')}")
-        return reply["pid"]
+        """Hand a job to the worker and return the pid of the process it forked for it. A
+        submission may have killed the worker (its parent): then start a new worker, once."""
+        for attempt in range(2):
+            reply = None
+            if self.proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    socket.send_fds(self.sock, [str(job_file).encode()], fds)
+                    reply = self.receive(timeout=60)
+            if reply and "pid" in reply:
+                return reply["pid"]
+            if attempt == 0:
+                self.close()
+                self._spawn()
+        raise GraderError(f"the grading worker stopped: {self.log.read_text(errors='replace')}")
 
     def close(self) -> None:
         self.sock.close()

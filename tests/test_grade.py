@@ -40,6 +40,10 @@ SUBMISSIONS = {
     },
     "sys_exit": {"mean-square": "import sys\n\nsys.exit(3)\n" + CHECK_MEAN_SQUARE},
     "os_exit": {"add-one": "import os\n\nos._exit(7)\n" + ADD_ONE},
+    "kills_worker": {
+        "mean-square": "import os\nimport signal\n\nos.kill(os.getppid(), signal.SIGKILL)\n"
+        + CHECK_MEAN_SQUARE
+    },
     "missing": {"scale": None},
     "duplicated": {"solution-demo": ADD_ONE.replace("x + 1", "x - 1")},  # a later, wrong copy
     "magics": {
@@ -148,6 +152,7 @@ def test_learner_copy_gets_zero(graded):
         ("hog", "ch99.add_one", "memory", "more than the 1024 MB memory limit", "3"),
         ("sys_exit", "ch99.mean_square", "error", "sys.exit(3)", "2"),
         ("os_exit", "ch99.add_one", "error", "exited with code 7", "3"),
+        ("kills_worker", "ch99.mean_square", "error", "is not defined", "2"),
         ("missing", "ch99.Scale", "missing", 'no cell calls check("ch99.Scale", …)', "3"),
         ("duplicated", "ch99.add_one", "failed", "expected 2", "3"),
         ("borrowed", "ch99.add_one", "failed", "the package's own implementation", "3"),
