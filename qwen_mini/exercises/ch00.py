@@ -416,31 +416,10 @@ def _(apply_rope):
 
 # --- count_params -------------------------------------------------------------------------------
 
-# the fields of the released config.json files that the count needs (assets/configs)
-_QWEN3_06B = dict(
-    model_type="qwen3",
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    attention_bias=False,
-    tie_word_embeddings=True,
-    max_position_embeddings=40960,
-)
-_QWEN25_05B = dict(
-    model_type="qwen2",
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    tie_word_embeddings=True,
-    max_position_embeddings=32768,
-)
+# the released config.json files (assets/configs)
+_CONFIGS = Path(__file__).resolve().parents[2] / "assets" / "configs"
+_QWEN3_06B = json.loads((_CONFIGS / "qwen3-0.6b" / "config.json").read_text())
+_QWEN25_05B = json.loads((_CONFIGS / "qwen2.5-0.5b" / "config.json").read_text())
 _KEYS = ["embed_tokens", "layers", "lm_head", "norm", "per_layer", "total", "unique"]
 
 
