@@ -218,6 +218,7 @@ def _run_plan(job: dict, events: int) -> None:
     # the learner's own check()/use() calls are not graded: skip their work and their output
     namespace["check"] = lambda exercise_id, obj: None
     namespace["use"] = lambda exercise_id, obj: obj
+    pristine = _fingerprint()  # before any learner code, replayed cells included
     for cell, text in job["replay"]:  # earlier cells, rerun after a restart for their names
         with contextlib.suppress(BaseException):
             with _captured(OUTPUT_CAP):
@@ -233,9 +234,16 @@ def _run_plan(job: dict, events: int) -> None:
             except BaseException as e:
                 failure = e
         emit(event="cell-done", cell=step["cell"], ok=failure is None)
+        tampered = _tampered(pristine)
         for exercise in step["ids"]:
             emit(event="check-start", id=exercise)
-            if failure is not None:
+            if tampered:
+                result = {
+                    "status": "tampered",
+                    "message": f"your code replaced {tampered}, which the checks rely on; "
+                    "an exercise must not change torch, the builtins or qwen_mini",
+                }
+            elif failure is not None:
                 result = {
                     "status": _status(failure),
                     "message": f"your cell {_describe(failure, name)}",
@@ -260,6 +268,41 @@ def _run_plan(job: dict, events: int) -> None:
             emit(event="result", id=exercise, **result)
             started = time.monotonic()
     emit(event="finished")
+
+
+def _fingerprint() -> dict:
+    """What every name that the checks rely on refers to: qwen_mini's modules (the checks
+    included), torch's main namespaces and the builtins, and each exercise's registered checks.
+    Learner code runs in the checks' process; this is how patching them is caught."""
+    import builtins
+
+    import torch
+    import torch.nn.functional
+
+    from .exercises import _EXERCISES
+
+    spaces = {name: m for name, m in sys.modules.items() if name.split(".")[0] == "qwen_mini"}
+    spaces.update(torch=torch, F=torch.nn.functional, Tensor=torch.Tensor, Module=torch.nn.Module)
+    spaces["builtins"] = builtins
+    seen = {f"{where}.{k}": v for where, m in spaces.items() for k, v in list(vars(m).items())}
+    seen = {k: id(v) for k, v in seen.items() if not isinstance(v, type(sys))}  # submodules come
+    for e in _EXERCISES.values():
+        seen[f"the checks of {e.id}"] = (id(e.reference), *(id(f) for _, f in e.public + e.hidden))
+    return seen
+
+
+def _tampered(pristine: dict) -> str:
+    """The first name that now refers to something else (or is gone), as `torch.allclose`."""
+    now = _fingerprint()
+    for name, value in pristine.items():
+        if now.get(name) != value:
+            return f"`{name}`"
+    spaces = {name.rsplit(".", 1)[0] for name in pristine}
+    for name in now.keys() - pristine.keys():  # a new global can shadow a builtin in qwen_mini
+        where = name.rsplit(".", 1)[0]  # (a module imported since is new, not tampered with)
+        if where in spaces and where.split(".")[0] in ("qwen_mini", "Tensor", "Module"):
+            return f"`{name}`"
+    return ""
 
 
 @contextlib.contextmanager
@@ -435,6 +478,9 @@ class Zygote:
             self.proc.kill()
 
 
+WORKER_GONE = 1 << 16  # an exit code no process has: the worker died before reporting one
+
+
 @dataclass
 class Run:
     """What one forked process reported before it finished or was stopped."""
@@ -479,7 +525,7 @@ def run_job(zygote: Zygote, job: dict, workdir: Path, timeout: float, setup_time
         for fd in select.select(watch, [], [], wait)[0]:
             if fd is zygote.sock:
                 reply = zygote.receive(5)
-                run.exit_code = reply["exit"] if reply else -1
+                run.exit_code = reply["exit"] if reply else WORKER_GONE
                 drain_until = time.monotonic() + 5
                 _kill(pid)  # anything the submission left running holds our pipes open
                 continue
@@ -615,6 +661,8 @@ def _stopped(run: Run, options) -> tuple[str, str]:
     if run.timed_out:
         return "timeout", f"did not finish within {options.timeout:g} s (an endless loop?)"
     code = run.exit_code
+    if code == WORKER_GONE:
+        return "error", "the grading worker was killed (by the submission?) and had to be restarted"
     if code == -signal.SIGKILL:
         return "memory", "the process was killed, most likely for using too much memory"
     if code is not None and code < 0:

@@ -44,8 +44,16 @@ SUBMISSIONS = {
         "mean-square": "import os\nimport signal\n\nos.kill(os.getppid(), signal.SIGKILL)\n"
         + CHECK_MEAN_SQUARE
     },
+    "patches_torch": {
+        "add-one": "import torch\n\ntorch.allclose = lambda *a, **k: True\n" + ADD_ONE
+    },
+    "patches_checks": {
+        "add-one": "from qwen_mini import exercises\n\nexercises._EXERCISES['ch99.add_one']"
+        ".public.clear()\n" + ADD_ONE.replace("x + 1", "x + 2")
+    },
     "missing": {"scale": None},
     "duplicated": {"solution-demo": ADD_ONE.replace("x + 1", "x - 1")},  # a later, wrong copy
+    "imports": {"add-one": "import qwen_mini.cli\nimport torch.distributions\n\n" + ADD_ONE},
     "magics": {
         "scale": "%%time\n%matplotlib inline\n!echo hello\nclass Scale:\n"
         "    def __init__(self, f):\n        self.f = f\n\n    def __call__(self, x):\n"
@@ -152,7 +160,6 @@ def test_learner_copy_gets_zero(graded):
         ("hog", "ch99.add_one", "memory", "more than the 1024 MB memory limit", "3"),
         ("sys_exit", "ch99.mean_square", "error", "sys.exit(3)", "2"),
         ("os_exit", "ch99.add_one", "error", "exited with code 7", "3"),
-        ("kills_worker", "ch99.mean_square", "error", "is not defined", "2"),
         ("missing", "ch99.Scale", "missing", 'no cell calls check("ch99.Scale", …)', "3"),
         ("duplicated", "ch99.add_one", "failed", "expected 2", "3"),
         ("borrowed", "ch99.add_one", "failed", "the package's own implementation", "3"),
@@ -167,6 +174,19 @@ def test_bad_submission_costs_only_that_exercise(graded, name, exercise, expecte
     assert rows[name][-1] == total
     others = [x for x in IDS if x != exercise]
     assert all(status(reports[name], x) == "passed" for x in others), reports[name]
+
+
+def test_killing_the_grading_worker_costs_points_not_the_run(graded):
+    # The submission's process outlives the worker it killed for a moment; how far it gets
+    # before it is stopped depends on timing, so only what must hold is asserted here. The
+    # notebooks graded after it (every other test) show that the run went on.
+    _, _, rows, reports = graded
+    entry = reports["kills_worker"]["exercises"]["ch99.mean_square"]
+    assert entry["status"] == "error" and entry["points"] == 0
+    assert status(reports["kills_worker"], "ch99.add_one") == "passed"
+    assert rows["kills_worker"][-1] in ("1", "2")
+    scale = reports["kills_worker"]["exercises"]["ch99.Scale"]
+    assert scale["status"] == "passed" or "worker was killed" in scale["message"]
 
 
 def test_later_copy_of_a_duplicate_is_graded_with_a_warning(graded):
@@ -186,6 +206,11 @@ def test_printing_megabytes_scores_zero_and_is_capped(graded):
     assert len(entry["output"]) <= grade.OUTPUT_CAP
     assert len(report["process_output"]) <= grade.PROCESS_OUTPUT_CAP
     assert any("3000000 bytes" in w for w in report["warnings"])
+
+
+def test_importing_modules_is_not_tampering(graded):
+    _, _, rows, reports = graded
+    assert rows["imports"][-1] == "4", reports["imports"]
 
 
 def test_magics_do_not_break_grading(graded):
@@ -213,3 +238,17 @@ def test_missing_reference_is_a_clear_error(tmp_path, capsys):
     )
     assert code == 1
     assert "ch42_*.ipynb" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "name, replaced",
+    [("patches_torch", "`torch.allclose`"), ("patches_checks", "`the checks of ch99.add_one`")],
+)
+def test_patching_what_the_checks_rely_on_scores_zero(graded, name, replaced):
+    _, _, rows, reports = graded
+    entry = reports[name]["exercises"]["ch99.add_one"]
+    assert entry["status"] == "tampered" and entry["points"] == 0
+    assert replaced in entry["message"]
+    # the patch stays in the process, so the later exercises cannot be trusted either
+    assert {status(reports[name], x) for x in IDS} == {"tampered"}
+    assert rows[name][-1] == "0"
