@@ -12,23 +12,32 @@ from .config import Config
 from .foundations import MLP, RMSNorm, rope_cos_sin
 
 
-def linear_all_threads(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ weight[out, in].T, as F.linear, with every CPU thread in float32.
+def linear_all_threads(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """x [..., in] @ weight[out, in].T + bias, as F.linear, with every CPU thread in float32.
 
-    In float32 on CPU, torch hands a product with few rows to a BLAS call that ran on one core
-    on the 2-core test machine: the 622 MB head of Qwen3-0.6B streamed at 16 of the 33 GB/s the
-    machine can read. Splitting the weight's rows into one block per thread and multiplying the
-    blocks as a batch lets torch run them side by side: 1.75x faster for one row, with the same
-    numbers up to float32 rounding (bench/README.md). bfloat16 already uses every thread.
+    In float32 on CPU, torch hands a product with one row (a decoding step) to a BLAS
+    matrix-vector call that runs on one core: on a 2-core machine the weights stream at half
+    the speed the memory allows. Splitting the weight's rows into one block per thread and
+    multiplying the blocks as a batch lets torch run them side by side: up to 2x faster for one
+    row, equal to F.linear up to float32 summation order (bench/README.md). bfloat16 already
+    uses every thread.
     """
     n = torch.get_num_threads()
     worth_it = x.device.type == "cpu" and x.dtype == torch.float32 and n > 1
     if not worth_it or weight.shape[0] % n or not weight.is_contiguous():
-        return F.linear(x, weight)
+        return F.linear(x, weight, bias)
     rows = x.reshape(1, -1, x.shape[-1]).expand(n, -1, -1)  # [n, rows, in], no copy
     blocks = weight.view(n, -1, weight.shape[1])  # [n, out / n, in], no copy
     out = torch.bmm(rows, blocks.transpose(1, 2))  # [n, rows, out / n]
-    return out.transpose(0, 1).reshape(*x.shape[:-1], weight.shape[0])
+    out = out.transpose(0, 1).reshape(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
+
+
+class ThreadedLinear(nn.Linear):
+    """nn.Linear multiplying with `linear_all_threads`: same parameters, same state dict."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_all_threads(x, self.weight, self.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -62,6 +71,11 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # The chapters build every projection as a plain nn.Linear; for decoding speed on CPU
+        # the package's model multiplies with every thread (the learner's modules need not).
+        for module in self.modules():
+            if type(module) is nn.Linear:
+                module.__class__ = ThreadedLinear
 
     def new_cache(self, batch_size: int = 1) -> KVCache:
         cfg, w = self.config, self.model.embed_tokens.weight
@@ -97,5 +111,4 @@ class CausalLM(nn.Module):
             cache.length += T  # only now: a failed pass leaves the cache as it was
         if last_only:
             x = x[:, -1:]
-        # the head is the largest matrix (a quarter of Qwen3-0.6B): worth every thread
-        return linear_all_threads(self.model.norm(x), self.lm_head.weight)  # [B, T, vocab]
+        return self.lm_head(self.model.norm(x))  # [B, T, vocab] (T = 1 with last_only)

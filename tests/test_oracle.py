@@ -146,15 +146,18 @@ def test_greedy_generation_is_token_identical(pair):
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_linear_all_threads_is_f_linear(threads):
-    """The head's threaded product (qwen_mini/model.py) against F.linear, whatever divides."""
+    """The threaded product of every projection (qwen_mini/model.py) against F.linear."""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         g = torch.Generator().manual_seed(0)
-        w = torch.randn(12, 16, generator=g)  # 12 rows: 3 threads split it, 5 would not
+        w, b = torch.randn(12, 16, generator=g), torch.randn(12, generator=g)  # 3 splits 12
         for x in (torch.randn(1, 1, 16, generator=g), torch.randn(2, 5, 16, generator=g)):
-            expected = torch.nn.functional.linear(x, w)
-            assert max_diff(linear_all_threads(x, w), expected) <= 1e-5  # summation order
-            assert max_diff(linear_all_threads(x.bfloat16(), w.bfloat16()).float(), expected) < 0.1
+            for bias in (None, b):
+                expected = torch.nn.functional.linear(x, w, bias)
+                got = linear_all_threads(x, w, bias)
+                assert max_diff(got, expected) <= 1e-5  # summation order
+            got = linear_all_threads(x.bfloat16(), w.bfloat16()).float()
+            assert max_diff(got, torch.nn.functional.linear(x, w)) < 0.1
     finally:
         torch.set_num_threads(saved)
