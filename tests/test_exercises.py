@@ -121,6 +121,11 @@ def test_use_falls_back_to_the_reference(learner, capsys):
     assert "using your ch99.Scale" in capsys.readouterr().out
     assert ex.use("ch99.Scale", Broken) is ex.reference("ch99.Scale")
     assert "using the package's ch99.Scale: yours is not passing yet" in capsys.readouterr().out
+    # a second use() of the name that now holds the package's copy must not call it "yours"
+    fallback = ex.use("ch99.Scale", Broken)
+    assert ex.use("ch99.Scale", fallback) is fallback
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "→ using the package's ch99.Scale"
 
 
 def test_registry():

@@ -246,6 +246,9 @@ def check(exercise_id: str, obj) -> Result:
 
 def use(exercise_id: str, obj):
     """`obj` if it passes its public checks, else the package's reference; says which."""
+    if obj is reference(exercise_id):  # an earlier use() already swapped the package's in
+        print(f"→ using the package's {exercise_id}")
+        return obj
     result = run_checks(exercise_id, obj)
     if result.ok:
         print(f"✓ using your {exercise_id} (it passes its checks)")
