@@ -8,6 +8,10 @@ from pathlib import Path
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
 
+# the repository's assets/ folder: real config.json files, the vendored tokenizer (the package
+# is installed editable from a clone, so it sits next to the package)
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
 
 @dataclass
 class Config:

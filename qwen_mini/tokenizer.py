@@ -27,9 +27,9 @@ from pathlib import Path
 
 import tokenizers
 
-# Where the vendored files live: <repo>/assets/tokenizers/qwen3 (the package is installed editable).
-ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
-VENDORED_QWEN3 = ASSETS_DIR / "tokenizers" / "qwen3"
+from .config import ASSETS
+
+VENDORED_QWEN3 = ASSETS / "tokenizers" / "qwen3"
 
 # Model names whose tokenizer the vendored files reproduce (Qwen3.5 has a different, larger vocab).
 _SAME_BPE_AS_VENDORED = re.compile(r"^(Qwen/)?Qwen(2|2\.5|3)-", re.IGNORECASE)

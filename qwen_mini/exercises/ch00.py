@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from qwen_mini import foundations as ref
-from qwen_mini.config import Config
+from qwen_mini.config import ASSETS, Config
 from qwen_mini.exercises import (
     expect_close,
     expect_equal,
@@ -417,7 +417,7 @@ def _(apply_rope):
 # --- count_params -------------------------------------------------------------------------------
 
 # the released config.json files (assets/configs)
-_CONFIGS = Path(__file__).resolve().parents[2] / "assets" / "configs"
+_CONFIGS = ASSETS / "configs"
 _QWEN3_06B = json.loads((_CONFIGS / "qwen3-0.6b" / "config.json").read_text())
 _QWEN25_05B = json.loads((_CONFIGS / "qwen2.5-0.5b" / "config.json").read_text())
 _KEYS = ["embed_tokens", "layers", "lm_head", "norm", "per_layer", "total", "unique"]
