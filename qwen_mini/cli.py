@@ -2,6 +2,7 @@
 
     qwen-mini generate Qwen/Qwen3-0.6B "The capital of France is" --max-new-tokens 20
     qwen-mini generate Qwen/Qwen3-0.6B "Why is the sky blue?" --chat --no-thinking
+    qwen-mini download Qwen/Qwen3-0.6B   (the real weights, once, on a machine that is online)
     qwen-mini doctor
     qwen-mini grade ...            (see `qwen-mini grade --help`)
 
@@ -19,7 +20,7 @@ import warnings
 from importlib import metadata
 
 DOCTOR_TEXT = "Hello, 世界! Grüße 👋🏽 — ∑x² = 1\n\tcode:  if x:<|im_end|>"
-# The control-token ids of each tokenizer family (../shared/facts/FACTS.md).
+# The control-token ids of each tokenizer family, as in the published tokenizer files.
 SPECIAL_IDS = {
     "qwen3": {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645},
     "qwen3.5": {"<|endoftext|>": 248044, "<|im_start|>": 248045, "<|im_end|>": 248046},
@@ -70,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="download the weights from the Hugging Face hub if not found locally",
     )
 
+    d = sub.add_parser(
+        "download",
+        help="fetch a model's real weights from the Hugging Face hub",
+        description="Download MODEL (config, safetensors weights and tokenizer files; never "
+        "pickles) into the Hugging Face cache, where load_model and the notebooks find it. "
+        "Needs internet and huggingface_hub (pip install -e '.[download]').",
+    )
+    d.add_argument("model", metavar="MODEL", help="a model name, e.g. Qwen/Qwen3-0.6B")
     sub.add_parser("doctor", help="check the installation: versions, models, tokenizer")
     sub.add_parser(
         "grade", help="grade submitted notebooks (qwen-mini grade --help)", add_help=False
@@ -94,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
-        return {"generate": cmd_generate, "doctor": cmd_doctor}[args.command](args)
+        commands = {"generate": cmd_generate, "download": cmd_download, "doctor": cmd_doctor}
+        return commands[args.command](args)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
@@ -105,6 +115,18 @@ def main(argv: list[str] | None = None) -> int:
         kind = "" if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: "
         print(f"qwen-mini: error: {kind}{e}", file=sys.stderr)
         return 1
+
+
+# --- download ---------------------------------------------------------------------------------
+
+
+def cmd_download(args) -> int:
+    from .hub import resolve
+
+    found = resolve(args.model, download=True)  # a folder already here is not fetched again
+    how = "downloaded to" if found.source == "download" else "already on this machine:"
+    print(f"{args.model}: {how} {found.path}")
+    return 0
 
 
 # --- generate ---------------------------------------------------------------------------------

@@ -171,8 +171,8 @@ def standin_notice(name: str, searched: list[str]) -> str:
             f"    - put the checkpoint folder at ${WEIGHTS_ENV}/{short} and set {WEIGHTS_ENV};",
             f"    - have it in the Hugging Face cache ({hf_cache_dir()}), where transformers and",
             "      huggingface_hub put what they download;",
-            f"    - on a machine that is online: load_model({name!r}, download=True),",
-            f"      `qwen-mini generate {name} PROMPT --download`, or set {DOWNLOAD_ENV}=1.",
+            f"    - on a machine that is online, once: `qwen-mini download {name}`",
+            f"      (or load_model({name!r}, download=True), or set {DOWNLOAD_ENV}=1).",
         ]
     )
 

@@ -100,3 +100,30 @@ def test_help_and_usage_errors_return_codes(capsys):
     assert main(["--help"]) == 0
     assert "generate" in capsys.readouterr().out
     assert main(["generate"]) == 2  # PROMPT missing: argparse's usage message
+
+
+def test_download_fetches_once_then_finds_it_locally(monkeypatch, tmp_path, capsys):
+    import huggingface_hub
+    from test_hub import FakeHub
+
+    fake = FakeHub(tmp_path / "downloads")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    assert main(["download", STANDIN]) == 0
+    assert "downloaded to" in capsys.readouterr().out
+    assert fake.calls[0][0] == STANDIN
+    folder = tmp_path / "downloads" / "Qwen--Qwen3-0.6B"
+    assert main(["download", str(folder)]) == 0
+    assert f"already on this machine: {folder}" in capsys.readouterr().out
+    assert len(fake.calls) == 1
+
+
+def test_download_failure_is_a_readable_error(monkeypatch, tmp_path, capsys):
+    import huggingface_hub
+    from test_hub import FakeHub
+
+    monkeypatch.setattr(
+        huggingface_hub, "snapshot_download", FakeHub(tmp_path, OSError("no route"))
+    )
+    assert main(["download", STANDIN]) == 1
+    err = capsys.readouterr().err
+    assert "qwen-mini: error:" in err and "online" in err and "Traceback" not in err
