@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
@@ -79,6 +79,3 @@ class Config:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e}).") from None
         return cls.from_dict(d, source=str(path))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
