@@ -33,14 +33,14 @@ NB_ENV := env -u QWEN_MINI_WEIGHTS -u QWEN_MINI_DOWNLOAD HF_HUB_OFFLINE=1 HF_HUB
 test: $(VENV)/.dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m qwen_mini.build --check
+	$(BIN)/python -m qwen_mini.course.build --check
 	$(BIN)/python -m pytest tests
 	mkdir -p $(VENV)/empty-hf-cache
 	$(NB_ENV) QWEN_MINI_CHECKS=solutions $(BIN)/python -m pytest --nbval-lax solutions
 	$(NB_ENV) QWEN_MINI_CHECKS=course $(BIN)/python -m pytest --nbval-lax course
 
 build: $(VENV)/.dev
-	$(BIN)/python -m qwen_mini.build
+	$(BIN)/python -m qwen_mini.course.build
 
 bench: $(VENV)/.dev
 	$(BIN)/python bench/bench_vs_transformers.py

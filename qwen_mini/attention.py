@@ -1,4 +1,4 @@
-# Generated from solutions/ch01_attention.ipynb by python -m qwen_mini.build —
+# Generated from solutions/ch01_attention.ipynb by python -m qwen_mini.course.build —
 # edit the notebook, not this file.
 
 """Chapter 1: causal self-attention with grouped KV heads, a KV cache and KV-cache sizes."""

@@ -1,4 +1,4 @@
-# Generated from solutions/ch00_foundations.ipynb by python -m qwen_mini.build —
+# Generated from solutions/ch00_foundations.ipynb by python -m qwen_mini.course.build —
 # edit the notebook, not this file.
 
 """Chapter 0 building blocks: the safetensors header, RMSNorm, the SwiGLU feed-forward, rotary

@@ -8,8 +8,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from qwen_mini import build
-from qwen_mini import notebooks as nbs
+from qwen_mini.course import build
+from qwen_mini.course import notebooks as nbs
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "fixtures" / "solutions" / "ch99_fixture.ipynb"
@@ -20,9 +20,9 @@ RUFF = build.ruff_executable()
 def tree(tmp_path):
     """A repository root holding the fixture chapter and the project's ruff settings."""
     (tmp_path / "solutions").mkdir()
-    # ruff sorts `qwen_mini.exercises` as first-party only if it finds that package
-    (tmp_path / "qwen_mini" / "exercises").mkdir(parents=True)
-    (tmp_path / "qwen_mini" / "exercises" / "__init__.py").write_text("")
+    # ruff sorts `qwen_mini.course` as first-party only if it finds that package
+    (tmp_path / "qwen_mini" / "course").mkdir(parents=True)
+    (tmp_path / "qwen_mini" / "course" / "__init__.py").write_text("")
     shutil.copy(FIXTURE, tmp_path / "solutions")
     shutil.copy(REPO / "pyproject.toml", tmp_path)
     return tmp_path
@@ -141,7 +141,7 @@ def test_exported_module(tree, capsys):
     module = tree / "qwen_mini" / "ch99_fixture.py"
     text = module.read_text()
     assert text.startswith(
-        "# Generated from solutions/ch99_fixture.ipynb by python -m qwen_mini.build —\n"
+        "# Generated from solutions/ch99_fixture.ipynb by python -m qwen_mini.course.build —\n"
         "# edit the notebook, not this file.\n"
     )
     assert "return x + 1" in text and "return x.pow(2).mean(dim)" in text  # solutions kept
@@ -165,7 +165,7 @@ def test_export_needs_a_target(tree, capsys):
 
 def test_exercise_calls_are_not_exported():
     text = (
-        "from qwen_mini.exercises import check, use\n"
+        "from qwen_mini.course import check, use\n"
         "def f():\n    check('a.b', 1)  # inside a function: kept\n"
         'check("ch07.f", f)\n'
         'g = use("ch07.f",\n        f)\n'
@@ -198,7 +198,7 @@ def test_check_detects_drift(tree, capsys):
     assert "out of date: course/ch99_fixture.ipynb" in out
     assert "out of date: qwen_mini/ch99_fixture.py" in out
     assert "no source in solutions/: course/ch97_gone.ipynb" in out
-    assert "run: python -m qwen_mini.build" in out
+    assert "run: python -m qwen_mini.course.build" in out
     assert before == {p: p.read_text() for p in tree.rglob("*") if p.is_file()}  # nothing written
 
     stale.unlink()

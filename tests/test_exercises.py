@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen_mini import exercises as ex
+from qwen_mini.course import checking as ex
 
 FIXTURES = Path(__file__).parent / "fixtures"
-os.environ.setdefault(ex.PATH_ENV, str(FIXTURES / "exercises"))
+os.environ.setdefault(ex.PATH_ENV, str(FIXTURES / "checks"))
 
 
 def add_one(x):

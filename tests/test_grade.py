@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from qwen_mini import build, grade
-from qwen_mini import notebooks as nbs
-from qwen_mini.exercises import PATH_ENV
+from qwen_mini.course import build, grade
+from qwen_mini.course import notebooks as nbs
+from qwen_mini.course.checking import PATH_ENV
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SOLUTION = FIXTURES / "solutions" / "ch99_fixture.ipynb"
@@ -48,7 +48,7 @@ SUBMISSIONS = {
         "add-one": "import torch\n\ntorch.allclose = lambda *a, **k: True\n" + ADD_ONE
     },
     "patches_checks": {
-        "add-one": "from qwen_mini import exercises\n\nexercises._EXERCISES['ch99.add_one']"
+        "add-one": "from qwen_mini.course import checking\n\nchecking._EXERCISES['ch99.add_one']"
         ".public.clear()\n" + ADD_ONE.replace("x + 1", "x + 2")
     },
     "missing": {"scale": None},
@@ -93,7 +93,7 @@ def graded(tmp_path_factory):
     (folder / "garbage.ipynb").write_text("this is not JSON {")
     out, reports = folder / "out" / "grades.csv", folder / "reports"
     old = os.environ.get(PATH_ENV)
-    os.environ[PATH_ENV] = str(FIXTURES / "exercises")
+    os.environ[PATH_ENV] = str(FIXTURES / "checks")
     try:
         code = grade.cli(
             [

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from qwen_mini import grade
-from qwen_mini import notebooks as nbs
+from qwen_mini.course import grade
+from qwen_mini.course import notebooks as nbs
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = {0: "ch00_foundations.ipynb", 1: "ch01_attention.ipynb"}

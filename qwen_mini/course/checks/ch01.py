@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from qwen_mini import attention as ref
 from qwen_mini.config import Config
-from qwen_mini.exercises import (
+from qwen_mini.course.checking import (
     expect_close,
     expect_equal,
     hidden,

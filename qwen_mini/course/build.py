@@ -1,7 +1,7 @@
 """Regenerate the learner notebooks (`course/`) and the exported modules from `solutions/`.
 
-    python -m qwen_mini.build           # write what is out of date
-    python -m qwen_mini.build --check   # change nothing; exit 1 listing what is out of date
+    python -m qwen_mini.course.build           # write what is out of date
+    python -m qwen_mini.course.build --check   # change nothing; exit 1 listing what is out of date
 
 A solution notebook is the single source of truth. Its learner copy keeps every cell except
 those tagged `solution-only`; each `### BEGIN SOLUTION` … `### END SOLUTION` region becomes one
@@ -24,9 +24,10 @@ from pathlib import Path
 from . import notebooks as nbs
 from .notebooks import NotebookError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 GENERATED = "# Generated from solutions/"
+CHECKING = "qwen_mini.course.checking"
 # per-cell metadata that records a past execution rather than anything about the cell
 EXECUTION_METADATA = ("execution", "ExecuteTime")
 
@@ -89,7 +90,7 @@ def export_target(nb: dict, name: str) -> str | None:
 def header(name: str) -> str:
     # two lines: the sentence does not fit in the 100-column limit on one
     return (
-        f"# Generated from solutions/{name} by python -m qwen_mini.build —\n"
+        f"# Generated from solutions/{name} by python -m qwen_mini.course.build —\n"
         "# edit the notebook, not this file.\n"
     )
 
@@ -112,7 +113,7 @@ def _is_exercise_call(node: ast.AST) -> bool:
     if isinstance(node, ast.Expr | ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Call):
         func = node.value.func
         return isinstance(func, ast.Name) and func.id in ("check", "use")
-    if isinstance(node, ast.ImportFrom) and node.module == "qwen_mini.exercises":
+    if isinstance(node, ast.ImportFrom) and node.module in ("qwen_mini.course", CHECKING):
         return all(alias.name in ("check", "use") for alias in node.names)
     return False
 
@@ -201,7 +202,7 @@ def out_of_date(expected: dict[Path, str]) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m qwen_mini.build",
+        prog="python -m qwen_mini.course.build",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in stale:
             print(f"no source in solutions/: {rel(path)} (delete it, or restore its notebook)")
         if changed or stale:
-            print("run: python -m qwen_mini.build")
+            print("run: python -m qwen_mini.course.build")
             return 1
         print(f"up to date: {len(expected)} generated files")
         return 0

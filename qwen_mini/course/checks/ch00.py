@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from qwen_mini import foundations as ref
 from qwen_mini.config import ASSETS, Config
-from qwen_mini.exercises import (
+from qwen_mini.course.checking import (
     expect_close,
     expect_equal,
     hidden,

@@ -36,7 +36,7 @@ from pathlib import Path
 from . import notebooks as nbs
 from .notebooks import NotebookError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OUTPUT_CAP = 10_000  # characters of printed output kept per exercise
 OUTPUT_LIMIT = 1_000_000  # an exercise that prints more than this scores 0
 PROCESS_OUTPUT_CAP = 20_000  # bytes kept of what the process wrote to its stdout / stderr fds
@@ -199,7 +199,7 @@ def _limit_memory(memory_mb: int) -> None:
 def _run_plan(job: dict, events: int) -> None:
     """Run setup, replayed cells and exercise steps; report each result as a JSON line on fd
     `events` (a pipe of its own, so nothing the learner prints can be mistaken for a result)."""
-    from .exercises import get, run_checks
+    from .checking import get, run_checks
 
     def emit(**event) -> None:
         os.write(events, (json.dumps(event) + "\n").encode())
@@ -279,7 +279,7 @@ def _fingerprint() -> dict:
     import torch
     import torch.nn.functional
 
-    from .exercises import _EXERCISES
+    from .checking import _EXERCISES
 
     spaces = {name: m for name, m in sys.modules.items() if name.split(".")[0] == "qwen_mini"}
     spaces.update(torch=torch, F=torch.nn.functional, Tensor=torch.Tensor, Module=torch.nn.Module)
@@ -368,7 +368,7 @@ def serve_zygote(sock_fd: int, chapter: str) -> None:
     try:
         from IPython.core.inputtransformer2 import TransformerManager  # noqa: F401
 
-        from .exercises import exercises
+        from .checking import exercises
 
         found = [{"id": e.id, "points": e.points, "title": e.title} for e in exercises(chapter)]
         _send(sock, {"ready": True, "exercises": found})
@@ -416,7 +416,7 @@ class Zygote:
                 [
                     sys.executable,
                     "-m",
-                    "qwen_mini.grade",
+                    "qwen_mini.course.grade",
                     "--zygote",
                     str(theirs.fileno()),
                     chapter,
@@ -438,7 +438,9 @@ class Zygote:
         self.exercises = ready["exercises"]
         if not self.exercises:
             self.close()
-            raise GraderError(f"no exercises are registered for {chapter} (qwen_mini/exercises)")
+            raise GraderError(
+                f"no exercises are registered for {chapter} (qwen_mini/course/checks)"
+            )
 
     def receive(self, timeout: float) -> dict | None:
         """The next message, or None at EOF or after `timeout` seconds."""

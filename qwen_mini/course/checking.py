@@ -2,12 +2,12 @@
 
 In a chapter notebook::
 
-    from qwen_mini.exercises import check, use
+    from qwen_mini.course import check, use
 
     check("ch01.repeat_kv", repeat_kv)            # tests *this* object, prints one line
     Attention = use("ch01.Attention", Attention)  # yours if it passes, else the package's
 
-A chapter's checks live in `qwen_mini/exercises/chNN.py`, imported the first time one of its
+A chapter's checks live in `qwen_mini/course/checks/chNN.py`, imported the first time one of its
 exercise ids is used::
 
     register("ch01.repeat_kv", reference=attention.repeat_kv, points=1, title="...")
@@ -38,6 +38,7 @@ import torch
 MODES = ("learner", "solutions", "course")
 # Extra folders holding `chNN.py` check modules (course extensions, the test suite's fixtures).
 PATH_ENV = "QWEN_MINI_EXERCISES_PATH"
+CHECKS = "qwen_mini.course.checks"  # the package of the chapters' check modules
 
 
 class UnknownExercise(KeyError):
@@ -146,9 +147,9 @@ def _load_chapter(prefix: str) -> None:
     if prefix in _LOADED or not prefix.isidentifier():
         return
     try:
-        importlib.import_module(f"{__name__}.{prefix}")
+        importlib.import_module(f"{CHECKS}.{prefix}")
     except ModuleNotFoundError as e:
-        if e.name != f"{__name__}.{prefix}":
+        if e.name != f"{CHECKS}.{prefix}":
             raise  # the chapter module exists but one of its own imports is broken
         _load_extra(prefix)
     _LOADED.add(prefix)
