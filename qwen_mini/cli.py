@@ -133,7 +133,7 @@ def cmd_download(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .generation import generate, sampling_settings
+    from .generation import Sampling, generate
     from .hub import load_model
     from .tokenizer import load_tokenizer
 
@@ -157,15 +157,16 @@ def cmd_generate(args) -> int:
         min_p=args.min_p,
         presence_penalty=args.presence_penalty,
     )
-    print(f"sampling: {describe_settings(sampling_settings(model, **options))}", file=sys.stderr)
+    sampling = Sampling.for_model(model, **options)
+    print(f"sampling: {sampling.describe()}", file=sys.stderr)
     pieces = generate(
         model,
         tokenizer,
         prompt,
         max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
         seed=args.seed,
         stream=True,
-        **options,
     )
     for piece in pieces:
         sys.stdout.write(piece)
@@ -173,19 +174,6 @@ def cmd_generate(args) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     return 0
-
-
-def describe_settings(s: dict) -> str:
-    if s["temperature"] == 0:
-        text = "greedy"
-    else:
-        text = f"temperature {s['temperature']:g}"
-        for key in ("top_k", "top_p", "min_p"):
-            if s[key] is not None:
-                text += f", {key} {s[key]:g}"
-    if s["presence_penalty"]:
-        text += f", presence_penalty {s['presence_penalty']:g}"
-    return text
 
 
 # --- doctor -----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from torch import nn
 
 from qwen_mini import CausalLM, Config
 from qwen_mini.generation import (
+    Sampling,
     apply_presence_penalty,
     apply_temperature,
     filter_logits,
@@ -15,7 +16,6 @@ from qwen_mini.generation import (
     generate_tokens,
     min_p_filter,
     next_token,
-    sampling_settings,
     stream_text,
     top_k_filter,
     top_p_filter,
@@ -242,7 +242,7 @@ def test_presence_penalty_in_the_loop():
 
 def test_sampling_respects_the_filters_and_the_probabilities():
     logits = torch.log(torch.tensor(PROBS))
-    s = dict(temperature=1.0, top_k=None, top_p=0.79, min_p=None, presence_penalty=0.0)
+    s = Sampling(temperature=1.0, top_p=0.79)
     gen = torch.Generator().manual_seed(0)
     seen = torch.zeros(4, dtype=torch.bool)
     draws = [next_token(logits, seen, s, gen) for _ in range(2000)]
@@ -285,7 +285,7 @@ def test_filters_match_transformers_warpers():
 
 def test_settings_come_from_generation_config_else_greedy():
     model = tiny_model()
-    assert sampling_settings(model)["temperature"] == 0.0  # no generation_config: greedy
+    assert Sampling.for_model(model).temperature == 0.0  # no generation_config: greedy
     model.generation_config = {
         "do_sample": True,
         "temperature": 0.6,
@@ -293,14 +293,14 @@ def test_settings_come_from_generation_config_else_greedy():
         "top_p": 0.95,
         "eos_token_id": [151645, 151643],
     }
-    s = sampling_settings(model)
-    assert (s["temperature"], s["top_k"], s["top_p"], s["min_p"]) == (0.6, 20, 0.95, None)
-    s = sampling_settings(model, temperature=0.7, top_p=0.8)  # explicit values win
-    assert (s["temperature"], s["top_k"], s["top_p"]) == (0.7, 20, 0.8)
+    s = Sampling.for_model(model)
+    assert (s.temperature, s.top_k, s.top_p, s.min_p) == (0.6, 20, 0.95, None)
+    s = Sampling.for_model(model, temperature=0.7, top_p=0.8)  # explicit values win
+    assert (s.temperature, s.top_k, s.top_p) == (0.7, 20, 0.8)
     model.generation_config = {"do_sample": False, "temperature": 0.6}
-    assert sampling_settings(model)["temperature"] == 0.0
+    assert Sampling.for_model(model).temperature == 0.0
     with pytest.raises(ValueError, match="top_p"):
-        sampling_settings(model, top_p=1.5)
+        Sampling.for_model(model, top_p=1.5)
 
 
 # --- stopping ---------------------------------------------------------------------------------

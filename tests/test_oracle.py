@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 import qwen_mini
 from qwen_mini.generation import generate_tokens
-from qwen_mini.model import linear_all_threads
+from qwen_mini.runtime import linear_all_threads
 
 TOL = 1e-4  # max abs logit difference, float32 both sides
 VOCAB = 256

@@ -342,15 +342,15 @@ def _kv(T, seed, heads=2, dim=4):
 
 @public("ch01.KVCache")
 def _(KVCache):
-    cache = KVCache(2, 1, 2, 4, dtype=torch.float32)
+    cache = KVCache(1, 2, 4, dtype=torch.float32)
     k1, v1 = _kv(3, 1)
-    k, v = cache.update(0, k1, v1)
+    k, v = cache.update(k1, v1)
     expect_close("first update returns the new keys", k, k1, atol=0, rtol=0)
     expect_close("first update returns the new values", v, v1, atol=0, rtol=0)
-    cache.update(1, *_kv(3, 2))
-    cache.length += 3  # the model advances the length once every layer has run
+    expect_equal("length after update, before the model commits the pass", cache.length, 0)
+    cache.commit(3)  # the model commits the pass once every layer has run
     k2, v2 = _kv(2, 3)
-    k, v = cache.update(0, k2, v2)
+    k, v = cache.update(k2, v2)
     expect_close(
         "second update: cached keys then new ones", k, torch.cat([k1, k2], 2), atol=0, rtol=0
     )
@@ -361,19 +361,19 @@ def _(KVCache):
 
 @public("ch01.KVCache")
 def _(KVCache):
-    cache = KVCache(1, 1, 2, 4, dtype=torch.float32)
+    cache = KVCache(1, 2, 4, dtype=torch.float32)
     ks, vs = [], []
     for step in range(150):  # past any initial capacity, several times
         k1, v1 = _kv(1, 100 + step)
         ks.append(k1)
         vs.append(v1)
-        k, v = cache.update(0, k1, v1)
-        cache.length += 1
+        k, v = cache.update(k1, v1)
+        cache.commit(1)
     expect_equal("keys after 150 one-token steps: shape", tuple(k.shape), (1, 2, 150, 4))
     expect_close("keys after 150 one-token steps", k, torch.cat(ks, 2), atol=0, rtol=0)
     expect_close("values after 150 one-token steps", v, torch.cat(vs, 2), atol=0, rtol=0)
     expect_equal(
-        "nbytes() after 150 tokens (2 * 1 layer * 2 heads * 150 * 4 * 4 bytes)",
+        "nbytes() after 150 tokens (2 * 2 heads * 150 * 4 * 4 bytes)",
         cache.nbytes(),
         2 * 2 * 150 * 4 * 4,
     )
@@ -381,27 +381,18 @@ def _(KVCache):
 
 @hidden("ch01.KVCache")
 def _(KVCache):
-    # a forward pass that fails after writing some layers must not corrupt the cache: the length
+    # a forward pass that fails after this layer wrote must not corrupt the cache: the length
     # did not advance, so the retry writes the same slots again
-    cache = KVCache(2, 1, 2, 4, dtype=torch.float32)
+    cache = KVCache(1, 2, 4, dtype=torch.float32)
     k1, v1 = _kv(20, 5)
-    cache.update(0, k1, v1)
-    cache.update(1, k1, v1)
-    cache.length += 20
-    cache.update(0, *_kv(3, 6))  # the failed attempt: layer 0 only, length not advanced
+    cache.update(k1, v1)
+    cache.commit(20)
+    cache.update(*_kv(3, 6))  # the failed attempt: written, never committed
+    cache.discard()
     k2, v2 = _kv(3, 7)
-    for layer in (0, 1):
-        k, v = cache.update(layer, k2, v2)
-        expect_close(
-            f"retry after a failed pass, layer {layer}", k, torch.cat([k1, k2], 2), atol=0, rtol=0
-        )
-        expect_close(
-            f"retry after a failed pass, layer {layer} values",
-            v,
-            torch.cat([v1, v2], 2),
-            atol=0,
-            rtol=0,
-        )
+    k, v = cache.update(k2, v2)
+    expect_close("retry after a failed pass: keys", k, torch.cat([k1, k2], 2), atol=0, rtol=0)
+    expect_close("retry after a failed pass: values", v, torch.cat([v1, v2], 2), atol=0, rtol=0)
 
 
 # --- Attention ----------------------------------------------------------------------------------
@@ -467,13 +458,11 @@ def _(Attention):
     x = randn(1, 7, 16, seed=25)
     with torch.no_grad():
         full = reference(x, *_rope(cfg, 0, 7))
-        cache = ref.KVCache(
-            cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.float32
-        )
+        cache = ref.KVCache(1, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.float32)
         outs = []
         for start, end in [(0, 4), (4, 6), (6, 7)]:  # prompt, two tokens, one token
             outs.append(mine(x[:, start:end], *_rope(cfg, start, end - start), cache))
-            cache.length = end
+            cache.commit(end - start)
         expect_close(
             "prompt + cached continuation == one full pass",
             torch.cat(outs, 1),
