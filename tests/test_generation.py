@@ -2,8 +2,10 @@
 
 import math
 
+import helpers
 import pytest
 import torch
+from helpers import tiny_config
 from torch import nn
 
 from qwen_mini import CausalLM, Config
@@ -21,30 +23,14 @@ from qwen_mini.generation import (
     top_p_filter,
 )
 
-TINY = {
-    "model_type": "qwen3",
-    "vocab_size": 97,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "max_position_embeddings": 64,
-    "rope_theta": 10000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True,
-    "eos_token_id": 96,
-}
+TINY = tiny_config(
+    vocab_size=97, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True, eos_token_id=96
+)
 
 
 def tiny_model(model_type="qwen3", seed=0):
-    torch.manual_seed(seed)
-    model = CausalLM(Config.from_dict({**TINY, "model_type": model_type})).eval()
-    with torch.no_grad():  # larger weights than the default init: sharper, less tied logits
-        for p in model.parameters():
-            p.normal_(0, 0.5)
-    return model
+    # larger weights than the default init: sharper, less tied logits
+    return helpers.tiny_model(**{**TINY, "model_type": model_type}, seed=seed, std=0.5)
 
 
 class FakeCache:
