@@ -233,3 +233,26 @@ def test_peak_memory_of_bf16_load_is_about_the_file(tmp_path):
     peak, size = map(int, out.stdout.split())
     assert size > 200e6
     assert peak <= 1.2 * size, f"peak {peak / 1e6:.0f} MB for a {size / 1e6:.0f} MB file"
+
+
+def test_meta_build_skips_the_random_init_of_every_module_type():
+    """Conv1d (Gated DeltaNet), Embedding, Linear: all initialise through torch.nn.init, which
+    the meta build silences, and restores afterwards."""
+    from qwen_mini.checkpoint import _no_init
+
+    with _no_init():
+        layers = [
+            torch.nn.Conv1d(4, 4, 3, groups=4),
+            torch.nn.Embedding(5, 4),
+            torch.nn.Linear(4, 4),
+        ]
+        for layer in layers:
+            with torch.no_grad():
+                layer.weight.fill_(7.0)
+            layer.reset_parameters()  # what the constructor called: now a no-op
+            assert torch.all(layer.weight == 7.0), type(layer).__name__
+    layer = torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        layer.weight.fill_(7.0)
+    layer.reset_parameters()
+    assert not torch.all(layer.weight == 7.0)  # restored
