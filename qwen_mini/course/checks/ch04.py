@@ -676,7 +676,7 @@ def _(budgeted_tokens):
     if out[:4] == [THINK, 10, 11, 12] and out[4:6] != [90, 91] and 13 in out:
         at = out.index(90) - 1 if 90 in out else "never"
         raise AssertionError(f"budget 3: stop after exactly 3 thinking tokens (stopped after {at})")
-    if out[:4] == expected[:4] and out[4:6] == [90, 91] and 20 not in out:
+    if 90 in out and 90 not in model.context:
         raise AssertionError(
             "the forced tokens must be fed to the model: they are part of its context, and "
             "the model answers only once it has seen </think>"
