@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Needs internet and huggingface_hub (pip install -e '.[download]').",
     )
     d.add_argument("model", metavar="MODEL", help="a model name, e.g. Qwen/Qwen3-0.6B")
+    add_chat_parser(sub)
     sub.add_parser("doctor", help="check the installation: versions, models, tokenizer")
     sub.add_parser(
         "grade", help="grade submitted notebooks (qwen-mini grade --help)", add_help=False
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         commands = {"generate": cmd_generate, "download": cmd_download, "doctor": cmd_doctor}
+        commands["chat"] = cmd_chat
         return commands[args.command](args)
     except KeyboardInterrupt:
         print(file=sys.stderr)
@@ -127,6 +129,72 @@ def cmd_download(args) -> int:
     how = "downloaded to" if found.source == "download" else "already on this machine:"
     print(f"{args.model}: {how} {found.path}")
     return 0
+
+
+# --- chat -------------------------------------------------------------------------------------
+
+
+def add_chat_parser(sub) -> None:
+    c = sub.add_parser(
+        "chat",
+        help="multi-turn chat in the terminal, thinking shown apart from the answer",
+        description="Chat with MODEL. The history is kept as the Qwen3 template expects and the "
+        "KV cache is reused across turns. Ctrl-D or Ctrl-C ends the chat.",
+    )
+    c.add_argument("model", metavar="MODEL", help="a model name (Qwen/Qwen3-0.6B) or a folder")
+    mode = c.add_mutually_exclusive_group()
+    mode.add_argument("--think", dest="think", action="store_true", default=True,
+                      help="thinking mode (default)")  # fmt: skip
+    mode.add_argument("--no-think", dest="think", action="store_false", help="answer directly")
+    c.add_argument("--budget", type=int, metavar="N", help="at most N thinking tokens per reply")
+    c.add_argument("--max-new-tokens", type=int, default=1024, metavar="N")
+    c.add_argument("--system", help="a system prompt")
+    c.add_argument("--temperature", type=float, help="default: the mode's preset; 0 = greedy")
+    c.add_argument("--seed", type=int, help="makes sampling reproducible")
+
+
+def cmd_chat(args) -> int:
+    from .chat import ChatSession
+    from .hub import load_model
+    from .tokenizer import load_tokenizer
+
+    if args.budget is not None and (args.budget < 0 or not args.think):
+        raise ValueError("--budget N needs N >= 0 and thinking mode (not --no-think).")
+    model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+    session = ChatSession(
+        model, tokenizer, thinking=args.think, budget=args.budget, system=args.system,
+        max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature,
+    )  # fmt: skip
+    tty = sys.stdout.isatty()
+    dim, bold, reset = ("\x1b[2m", "\x1b[1m", "\x1b[0m") if tty else ("", "", "")
+    mode = "thinking" if args.think else "no thinking"
+    budget = f", budget {args.budget} tokens" if args.budget is not None else ""
+    print(f"qwen-mini chat: {args.model} ({mode}{budget}). Ctrl-D or Ctrl-C to leave.")
+    try:
+        while True:
+            try:
+                text = input(f"{bold}you>{reset} ")
+            except EOFError:
+                print()
+                return 0
+            if not text.strip():
+                continue
+            channel = None
+            for kind, piece in session.send(text):
+                if kind != channel:  # a label each time the stream changes channel
+                    label = "[thinking] " if kind == "thinking" else "[answer] "
+                    print(("\n" if channel else "") + (dim if kind == "thinking" else reset)
+                          + label, end="")  # fmt: skip
+                    channel = kind
+                print(piece, end="", flush=True)
+            t = session.turns[-1]
+            rate = t["generated"] / t["seconds"] if t["seconds"] > 0 else float("inf")
+            print(f"{reset}\n{dim}({t['generated']} tokens, {t['thinking']} thinking; "
+                  f"{rate:.1f} tokens/s; prompt {t['prompt']} tokens, {t['reused']} reused "
+                  f"from the cache){reset}")  # fmt: skip
+    except KeyboardInterrupt:
+        print(f"{reset}\n(bye)")
+        return 0
 
 
 # --- generate ---------------------------------------------------------------------------------
