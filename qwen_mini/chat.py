@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from qwen_mini.generation import eos_ids_for, next_token, sampling_settings, stream_text
+from qwen_mini.generation import Sampling, eos_ids_for, next_token, stream_text
 
 
 def render_turn(role: str, content: str) -> str:
@@ -402,16 +402,6 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     return n
 
 
-def truncate_cache(cache, n: int) -> None:
-    """Keep the first n tokens of `cache`."""
-    if hasattr(cache, "truncate"):
-        cache.truncate(n)
-    elif 0 <= n <= cache.length:  # the chapter-1 KVCache: its length says what is valid
-        cache.length = n
-    else:
-        raise ValueError(f"cannot keep {n} tokens of a cache holding {cache.length}")
-
-
 class ChatSession:
     """A multi-turn chat that keeps the history as the template expects and reuses the KV cache.
 
@@ -436,7 +426,7 @@ class ChatSession:
         self.max_new_tokens = max_new_tokens
         self.messages = [] if system is None else [{"role": "system", "content": system}]
         family = "qwen3_5" if model.config.model_type.startswith("qwen3_5") else "qwen3"
-        self.settings = sampling_settings(model, **sampling_preset(thinking, family, **sampling))
+        self.settings = Sampling.for_model(model, **sampling_preset(thinking, family, **sampling))
         self.stop_ids = eos_ids_for(model)
         self.generator = None if seed is None else torch.Generator().manual_seed(seed)
         self.cache, self.cached = model.new_cache(batch_size=1), []
@@ -461,7 +451,10 @@ class ChatSession:
     def prefill(self, ids: list[int]) -> tuple[torch.Tensor, int]:
         """Logits after `ids`, reusing the cached prefix; returns (logits, tokens reused)."""
         reused = min(common_prefix_length(self.cached, ids), len(ids) - 1)  # compute >= 1
-        truncate_cache(self.cache, reused)
+        try:
+            self.cache.truncate(reused)
+        except ValueError:  # a recurrent layer (Qwen3.5) cannot go back: start a new cache
+            self.cache, reused = self.model.new_cache(batch_size=1), 0
         self.cached = self.cached[:reused]
         return self.forward(ids[reused:]), reused
 
