@@ -85,7 +85,8 @@ def split_last_close(message):
 
 
 def _render_variant(keep_all_reasoning=False, no_empty_block=False, separate_tools=False,
-                    system_twice=False, escape_unicode=False, no_quote=False):  # fmt: skip
+                    system_twice=False, escape_unicode=False, no_quote=False,
+                    always_newline=False):  # fmt: skip
     """render_prompt with one rule broken."""
 
     def render(messages, *, tools=None, add_generation_prompt=True, enable_thinking=None,
@@ -108,7 +109,7 @@ def _render_variant(keep_all_reasoning=False, no_empty_block=False, separate_too
                 else:
                     out += "<|im_start|>assistant\n" + q(c)
                 for j, call in enumerate(m.get("tool_calls") or []):
-                    out += "\n" if (j > 0 or c) else ""
+                    out += "\n" if (j > 0 or c or always_newline) else ""
                     text = chat.render_tool_call(call, q)
                     if escape_unicode:
                         text = text.encode("ascii", "backslashreplace").decode().replace(
@@ -246,6 +247,7 @@ WRONG = [
     ("ch04.render_prompt", _render_variant(system_twice=True), "written once"),
     ("ch04.render_prompt", _render_variant(escape_unicode=True), "non-ASCII kept"),
     ("ch04.render_prompt", _render_variant(no_quote=True), "quote"),
+    ("ch04.render_prompt", _render_variant(always_newline=True), "except the first one"),
     ("ch04.parse_reply", parse_rfind, "FIRST </think>"),
     ("ch04.parse_reply", parse_unterminated_as_answer, "unterminated"),
     ("ch04.parse_reply", parse_anywhere, "very start"),

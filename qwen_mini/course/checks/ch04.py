@@ -427,6 +427,13 @@ def _(render_prompt):
     if "\\u00fc" in got or "Zürich" not in got:
         raise AssertionError("tool arguments are JSON with non-ASCII kept (ensure_ascii=False)")
     expect_text("tools, a tool call (object arguments), two tool responses", got, expected)
+    msgs = [U("x"), A("", calls=[CALL("get_weather", {"city": "Oslo"})])]
+    got = render_prompt(msgs, tools=[WEATHER], add_generation_prompt=False)
+    if "<|im_start|>assistant\n<think>\n\n</think>\n\n\n<tool_call>" in got:
+        raise AssertionError(
+            "a tool call is preceded by a newline, except the first one when the content is empty"
+        )
+    expect_text("a tool call with empty content", got, official(msgs, tools=[WEATHER]))
     msgs = [U("x"), A("Let me check.", calls=[CALL("get_weather", '{"city": "Oslo"}')])]
     got = render_prompt(msgs, tools=[WEATHER], add_generation_prompt=False)
     if '"{\\"city' in got:
