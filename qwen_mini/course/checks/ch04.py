@@ -419,6 +419,10 @@ def _(render_prompt):
             "consecutive tool responses share ONE user turn: <|im_start|>user before the first, "
             "<|im_end|> after the last"
         )
+    if "</think>\n\n\n<tool_call>" in got:
+        raise AssertionError(
+            "a tool call is preceded by a newline, except the first one when the content is empty"
+        )
     if "r1" not in got:
         raise AssertionError(
             "tool responses are not user queries: the reasoning of the tool-calling turn after "
