@@ -81,3 +81,10 @@ def test_two_turns_thinking_shown_clean_exit(leave):
     assert len(stats) == 2
     assert int(stats[0][4]) == 0 and int(stats[1][4]) > 0  # the second turn reuses the cache
     assert "Traceback" not in out
+
+
+def test_budget_without_thinking_is_refused(capsys):
+    from qwen_mini.cli import main
+
+    assert main(["chat", "Qwen/Qwen3-0.6B", "--no-think", "--budget", "3"]) == 1
+    assert "--budget" in capsys.readouterr().err
