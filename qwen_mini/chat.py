@@ -287,7 +287,7 @@ def budgeted_tokens(
             spent += 1  # the budget counts tokens of thinking, not the tags
 
 
-# generation_config.json and the model cards (shared/facts/FACTS.md)
+# generation_config.json and the model cards of Qwen3-0.6B and Qwen3.5-0.8B
 SAMPLING_PRESETS = {
     ("qwen3", True): dict(temperature=0.6, top_p=0.95, top_k=20, min_p=0.0),
     ("qwen3", False): dict(temperature=0.7, top_p=0.8, top_k=20, min_p=0.0),

