@@ -319,6 +319,12 @@ def count_ignores_attention_bias(config):
     return _counts(dict(config, attention_bias=False))
 
 
+def count_requires_kv_heads(config):  # every public config has the key; a Qwen2 config may not
+    if "num_key_value_heads" not in config:
+        raise KeyError("num_key_value_heads")
+    return _counts(config)
+
+
 def count_total_once(config):
     c = _counts(config)
     c["total"] = c["unique"]
@@ -420,6 +426,7 @@ CORPUS = [
     ("count_params", _count_fn(**WRONG_COUNTS["tied_head_twice"]), "tied head once", True),
     ("count_params", _count_fn(**WRONG_COUNTS["untied_head_once"]), "untied head", True),
     ("count_params", count_total_once, "total counts the head", True),
+    ("count_params", count_requires_kv_heads, "num_key_value_heads", False),
     ("zero_layer_lm", ZeroUntiedHead, "weight tying", True),
     ("zero_layer_lm", ZeroCopiedHead, "weight tying", True),
     ("zero_layer_lm", ZeroNoNorm, "final norm", True),
