@@ -362,3 +362,20 @@ def test_checkpoint_tokenizer_wins(tmp_path, monkeypatch):
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "T"
     # an explicit folder too, even one holding the generated file
     assert load_tokenizer(VENDORED_QWEN3_5 / "tokenizer.json.gz").vocab_size == 248077
+
+
+# --- qwen-mini doctor ------------------------------------------------------------------------
+
+
+def test_doctor_reports_the_qwen3_5_tokenizer(tmp_path, monkeypatch, capsys):
+    from qwen_mini.cli import check_tokenizers, tokenizer_problems
+
+    monkeypatch.delenv("QWEN_MINI_WEIGHTS", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    assert check_tokenizers()
+    out = capsys.readouterr().out
+    assert "Qwen/Qwen3.5-0.8B: OK" in out and "qwen3_5/tokenizer.json.gz" in out
+    assert "no chat template" in out and "FAIL" not in out
+    # the check can fail: Qwen3's tokenizer under a Qwen3.5 name has the wrong ids
+    problems = tokenizer_problems("Qwen/Qwen3.5-0.8B", load_tokenizer(VENDORED_QWEN3))
+    assert any("<|im_end|> has id 151645, expected 248046" in p for p in problems)
