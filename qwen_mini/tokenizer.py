@@ -162,6 +162,13 @@ class Tokenizer:
         The result is byte-identical to transformers' `apply_chat_template(..., tokenize=False)`.
         Extra keyword arguments are passed to the template as variables.
         """
+        if self.chat_template is None and self.path.parent == VENDORED_QWEN3_5:
+            raise ValueError(
+                "No chat template for Qwen3.5: the tokenizer that ships with qwen_mini is "
+                "generated from BPE ranks, and no official Qwen3.5 template could be bundled. "
+                "Use the checkpoint's own files: `qwen-mini download Qwen/Qwen3.5-0.8B` (online), "
+                "or load_tokenizer(<folder with tokenizer.json and chat_template.jinja>)."
+            )
         if self.chat_template is None:
             raise ValueError(
                 f"No chat template next to {self.path}: expected tokenizer_config.json with a "

@@ -347,7 +347,7 @@ def test_load_tokenizer_by_name_offline(tmp_path, monkeypatch):
         tok = load_tokenizer(name)
         assert tok.path.parent == VENDORED_QWEN3_5 and tok.im_end_id == 248046, name
     assert load_tokenizer("Qwen/Qwen3.5-0.8B").encode("नमस्ते<think>")[-1] == 248068
-    with pytest.raises(ValueError, match="No chat template"):
+    with pytest.raises(ValueError, match="No chat template for Qwen3.5.*checkpoint's own files"):
         load_tokenizer("Qwen/Qwen3.5-0.8B").apply_chat_template([{"role": "user", "content": "hi"}])
 
 
@@ -461,6 +461,11 @@ CONVERSATIONS_35 = {
 
 
 @pytest.fixture(scope="module")
+def tok_with_template(tok):
+    return Tokenizer(tok.path, chat_template=TEMPLATE_35)
+
+
+@pytest.fixture(scope="module")
 def hf_qwen3_tokenizer():
     import transformers
 
@@ -469,8 +474,10 @@ def hf_qwen3_tokenizer():
 
 @pytest.mark.parametrize("thinking", [None, False, True])
 @pytest.mark.parametrize("case", CONVERSATIONS_35)
-def test_qwen3_5_template_renders_like_transformers(tok, hf_qwen3_tokenizer, case, thinking):
-    ours = Tokenizer(tok.path, chat_template=TEMPLATE_35)
+def test_qwen3_5_template_renders_like_transformers(
+    tok_with_template, hf_qwen3_tokenizer, case, thinking
+):
+    ours = tok_with_template
     messages = CONVERSATIONS_35[case]
     kwargs = dict(add_generation_prompt=True, tools=[SEARCH_TOOL] if "tool" in case else None)
     # transformers leaves enable_thinking undefined when it is not passed; ours does for None
@@ -484,8 +491,8 @@ def test_qwen3_5_template_renders_like_transformers(tok, hf_qwen3_tokenizer, cas
     assert theirs.endswith("<|im_start|>assistant\n" + tail)
 
 
-def test_qwen3_5_template_tool_call_format(tok):
-    text = Tokenizer(tok.path, chat_template=TEMPLATE_35).apply_chat_template(
+def test_qwen3_5_template_tool_call_format(tok_with_template):
+    text = tok_with_template.apply_chat_template(
         CONVERSATIONS_35["tool calls"], tools=[SEARCH_TOOL]
     )
     # FACTS.md: XML tool calls; a mapping argument is written as JSON, non-ASCII kept
@@ -498,11 +505,11 @@ def test_qwen3_5_template_tool_call_format(tok):
     assert "<|im_start|>user\n<tool_response>\n" in text and text.count("<|im_start|>user") == 2
 
 
-def test_qwen3_5_template_errors_like_transformers(tok, hf_qwen3_tokenizer):
+def test_qwen3_5_template_errors_like_transformers(tok_with_template, hf_qwen3_tokenizer):
     import jinja2
 
     bad = [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}]
     with pytest.raises(jinja2.exceptions.TemplateError, match="System message must be at"):
-        Tokenizer(tok.path, chat_template=TEMPLATE_35).apply_chat_template(bad)
+        tok_with_template.apply_chat_template(bad)
     with pytest.raises(Exception, match="System message must be at"):
         hf_qwen3_tokenizer.apply_chat_template(bad, chat_template=TEMPLATE_35, tokenize=False)
