@@ -287,7 +287,8 @@ def load_tokenizer(name_or_path: str | Path = "Qwen/Qwen3-0.6B") -> Tokenizer:
     - A folder (or a tokenizer.json file): its tokenizer.json, plus the chat template from
       tokenizer_config.json / chat_template.jinja beside it.
     - A model name such as "Qwen/Qwen3-0.6B": its downloaded files if `qwen_mini.hub.find_local`
-      finds them ($QWEN_MINI_WEIGHTS, the Hugging Face cache); otherwise the vendored Qwen3
+      finds them ($QWEN_MINI_WEIGHTS, the Hugging Face cache, where tokenizer files alone are
+      enough); otherwise the vendored Qwen3
       files, which hold the same BPE for Qwen3 and Qwen2.5 (see the module docstring).
     - "Qwen/Qwen3.5-0.8B" (any Qwen3.5 or Qwen3.6 name): its downloaded files likewise, else the
       generated Qwen3.5 tokenizer, which has no chat template (none could be obtained offline).
@@ -314,6 +315,9 @@ def load_tokenizer(name_or_path: str | Path = "Qwen/Qwen3-0.6B") -> Tokenizer:
         local = find_local(name)
         if local is not None and (Path(local) / "tokenizer.json").is_file():
             return _from_folder(Path(local))
+    cached = _tokenizer_in_hf_cache(name)
+    if cached is not None:
+        return _from_folder(cached)
 
     if _SAME_BPE_AS_QWEN3_5.match(name):
         return _from_folder(_vendored(VENDORED_QWEN3_5))
@@ -331,6 +335,22 @@ def load_tokenizer(name_or_path: str | Path = "Qwen/Qwen3-0.6B") -> Tokenizer:
             stacklevel=2,
         )
     return _from_folder(VENDORED_QWEN3)
+
+
+def _tokenizer_in_hf_cache(name: str) -> Path | None:
+    """The Hugging Face cache snapshot of `name` when it holds tokenizer.json, even without
+    weights (transformers' AutoTokenizer.from_pretrained fetches only the tokenizer files)."""
+    try:
+        from .hub import hf_cache_dir
+    except ImportError:  # a checkout without the hub module
+        return None
+    repo = name if "/" in name else f"Qwen/{name}"
+    cache = hf_cache_dir() / ("models--" + repo.replace("/", "--"))
+    ref = cache / "refs" / "main"
+    if not ref.is_file():
+        return None
+    snapshot = cache / "snapshots" / ref.read_text().strip()
+    return snapshot if (snapshot / "tokenizer.json").is_file() else None
 
 
 def _vendored(folder: Path) -> Path:

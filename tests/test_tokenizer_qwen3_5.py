@@ -360,6 +360,16 @@ def test_checkpoint_tokenizer_wins(tmp_path, monkeypatch):
     tok = load_tokenizer("Qwen/Qwen3.5-0.8B")
     assert tok.vocab_size == 6 and tok.encode("ab<|im_end|>") == [2, 5]
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "T"
+    # the Hugging Face cache, holding only tokenizer files (as AutoTokenizer leaves it)
+    monkeypatch.delenv("QWEN_MINI_WEIGHTS")
+    cache = tmp_path / "hf" / "models--Qwen--Qwen3.5-0.8B"
+    write_tiny_tokenizer(cache / "snapshots" / "abc123")
+    (cache / "refs").mkdir()
+    (cache / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    for name in ["Qwen/Qwen3.5-0.8B", "Qwen3.5-0.8B"]:
+        assert load_tokenizer(name).path == cache / "snapshots" / "abc123" / "tokenizer.json"
+    assert load_tokenizer("Qwen/Qwen3.5-2B").vocab_size == 248077  # not cached: the generated one
     # an explicit folder too, even one holding the generated file
     assert load_tokenizer(VENDORED_QWEN3_5 / "tokenizer.json.gz").vocab_size == 248077
 
