@@ -162,7 +162,7 @@ class Tokenizer:
         The result is byte-identical to transformers' `apply_chat_template(..., tokenize=False)`.
         Extra keyword arguments are passed to the template as variables.
         """
-        if self.chat_template is None and self.path.parent == VENDORED_QWEN3_5:
+        if self.chat_template is None and self.path.resolve().parent == VENDORED_QWEN3_5:
             raise ValueError(
                 "No chat template for Qwen3.5: the tokenizer that ships with qwen_mini is "
                 "generated from BPE ranks, and no official Qwen3.5 template could be bundled. "
@@ -288,8 +288,8 @@ def load_tokenizer(name_or_path: str | Path = "Qwen/Qwen3-0.6B") -> Tokenizer:
       tokenizer_config.json / chat_template.jinja beside it.
     - A model name such as "Qwen/Qwen3-0.6B": its downloaded files if `qwen_mini.hub.find_local`
       finds them ($QWEN_MINI_WEIGHTS, the Hugging Face cache, where tokenizer files alone are
-      enough); otherwise the vendored Qwen3
-      files, which hold the same BPE for Qwen3 and Qwen2.5 (see the module docstring).
+      enough); otherwise the vendored Qwen3 files, which hold the same BPE for Qwen3 and Qwen2.5
+      (see the module docstring).
     - "Qwen/Qwen3.5-0.8B" (any Qwen3.5 or Qwen3.6 name): its downloaded files likewise, else the
       generated Qwen3.5 tokenizer, which has no chat template (none could be obtained offline).
     """
