@@ -21,11 +21,14 @@ from importlib import metadata
 
 DOCTOR_TEXT = "Hello, 世界! Grüße 👋🏽 — ∑x² = 1\n\tcode:  if x:<|im_end|>"
 # The control-token ids of each tokenizer family, as in the published tokenizer files.
+# (Qwen2.5's own files have no <think>: only Qwen3.5's thinking ids are checked.)
 SPECIAL_IDS = {
     "qwen3": {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645},
-    "qwen3.5": {"<|endoftext|>": 248044, "<|im_start|>": 248045, "<|im_end|>": 248046},
-}
-ALWAYS_OFFLINE = "Qwen/Qwen3-0.6B"  # its tokenizer ships with qwen_mini, so it must load
+    "qwen3.5": {"<|endoftext|>": 248044, "<|im_start|>": 248045, "<|im_end|>": 248046,
+                "<think>": 248068, "</think>": 248069},
+}  # fmt: skip
+# Their tokenizers ship with qwen_mini, so they must load offline.
+ALWAYS_OFFLINE = ("Qwen/Qwen3-0.6B", "Qwen/Qwen3.5-0.8B")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -293,13 +296,13 @@ def check_tokenizers() -> bool:
 
     print("tokenizers (encode -> decode round trip, control-token ids)")
     ok = True
-    for name in KNOWN_MODELS:
+    for name in dict.fromkeys([*KNOWN_MODELS, *ALWAYS_OFFLINE]):
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 tokenizer = load_tokenizer(name)
         except Exception as e:
-            if name == ALWAYS_OFFLINE or find_local(name) is not None:
+            if name in ALWAYS_OFFLINE or find_local(name) is not None:
                 print(f"  {name}: FAIL {e}")
                 ok = False
             else:
@@ -310,6 +313,9 @@ def check_tokenizers() -> bool:
         print(f"  {name}: " + ("OK" if not problems else "FAIL " + "; ".join(problems)))
         for w in caught:  # e.g. a vendored stand-in for the model's own files
             print(f"    note: {w.message}")
+        print(f"    from {tokenizer.path}")
+        if tokenizer.chat_template is None:
+            print("    note: no chat template (chat prompts need the checkpoint's own files)")
     return ok
 
 
@@ -318,7 +324,7 @@ def tokenizer_problems(name: str, tokenizer) -> list[str]:
     ids = tokenizer.encode(DOCTOR_TEXT)
     if tokenizer.decode(ids) != DOCTOR_TEXT:
         problems.append(f"decode(encode(text)) gives {tokenizer.decode(ids)!r}")
-    family = "qwen3.5" if "qwen3.5" in name.lower() else "qwen3"
+    family = "qwen3.5" if any(v in name.lower() for v in ("qwen3.5", "qwen3.6")) else "qwen3"
     for token, want in SPECIAL_IDS[family].items():
         got = tokenizer.special_tokens.get(token)
         if got != want:
