@@ -11,9 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from qwen_mini.course import build, grade
+from qwen_mini.course import build
 from qwen_mini.course import notebooks as nbs
 from qwen_mini.course.checking import PATH_ENV
+from qwen_mini.course.grading import cli as grade
+from qwen_mini.course.grading.sandbox import PROCESS_OUTPUT_CAP
+from qwen_mini.course.grading.worker import OUTPUT_CAP
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SOLUTION = FIXTURES / "solutions" / "ch99_fixture.ipynb"
@@ -95,7 +98,7 @@ def graded(tmp_path_factory):
     old = os.environ.get(PATH_ENV)
     os.environ[PATH_ENV] = str(FIXTURES / "checks")
     try:
-        code = grade.cli(
+        code = grade.main(
             [
                 "--chapter",
                 "99",
@@ -203,8 +206,8 @@ def test_printing_megabytes_scores_zero_and_is_capped(graded):
     assert entry["status"] == "output" and entry["points"] == 0
     assert "5,100,000 characters" in entry["message"]
     assert rows["chatty"][-1] == "3"  # the other exercises still count
-    assert len(entry["output"]) <= grade.OUTPUT_CAP
-    assert len(report["process_output"]) <= grade.PROCESS_OUTPUT_CAP
+    assert len(entry["output"]) <= OUTPUT_CAP
+    assert len(report["process_output"]) <= PROCESS_OUTPUT_CAP
     assert any("3000000 bytes" in w for w in report["warnings"])
 
 
@@ -225,7 +228,7 @@ def test_unreadable_notebook_is_recorded(graded):
 
 
 def test_missing_reference_is_a_clear_error(tmp_path, capsys):
-    code = grade.cli(
+    code = grade.main(
         [
             "--chapter",
             "42",

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from qwen_mini.course import grade
 from qwen_mini.course import notebooks as nbs
+from qwen_mini.course.grading import cli as grade
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = {0: "ch00_foundations.ipynb", 1: "ch01_attention.ipynb"}
@@ -27,7 +27,7 @@ def _mixed(folder: Path, chapter: int, stub_cell: str) -> Path:
 def _grade(tmp_path: Path, chapter: int, files: list[Path]) -> dict[str, dict]:
     out, reports = tmp_path / "grades.csv", tmp_path / "reports"
     argv = ["--chapter", str(chapter), "--out", str(out), "--reports", str(reports)]
-    assert grade.cli(argv + [str(f) for f in files]) == 0
+    assert grade.main(argv + [str(f) for f in files]) == 0
     with open(out, newline="") as f:
         rows = {
             Path(r["notebook"]).parent.name + "/" + Path(r["notebook"]).stem: r
