@@ -50,11 +50,12 @@ def test_real_chapter_grades(tmp_path, chapter, stub_cell, stubbed, dependent):
     stem = Path(name).stem
     solved, learner, partial = rows[f"solutions/{stem}"], rows[f"course/{stem}"], None
     partial = rows[f"{tmp_path.name}/{mixed.stem}"]
-    ids = [k for k in solved if k not in ("notebook", "total")]
+    ids = [k for k in solved if k not in ("notebook", "total", "max_total") and " " not in k]
     assert len(ids) >= 6
     full = sum(float(solved[x]) for x in ids)
-    assert full > 0 and float(solved["total"]) == full
+    assert full > 0 and float(solved["total"]) == full == float(solved["max_total"])
+    assert all(solved[f"{x} status"] == "passed" for x in ids)
     assert all(float(learner[x]) == 0 for x in ids) and float(learner["total"]) == 0
-    assert float(partial[stubbed]) == 0
+    assert float(partial[stubbed]) == 0 and partial[f"{stubbed} status"] == "failed"
     assert float(partial[dependent]) == float(solved[dependent]) > 0
     assert float(partial["total"]) == full - float(solved[stubbed])

@@ -1,119 +1,336 @@
-"""Grading one notebook: run its plan in the sandbox, restarting after a timeout or a crash."""
+"""Grading one notebook: run its code cells in order in a worker, and check each exercise here.
+
+After each cell, the exercises it checked (`check("chNN.x", obj)` records `obj`, however the
+call is written) are graded on that object; an exercise nobody checked is graded at the end on
+the name it defines. The checks run in this process, on a `Remote` stand-in for the learner's
+object: what the learner's code returns crosses as plain data and is compared here.
+
+When a piece fails, whatever the reason (a failed check, an exception, a timeout, a crash), the
+worker's name for it is set to the package's piece, as `use(...)` does in the notebook, so the
+later exercises built on it are graded on their own. After a timeout or a crash a new worker
+runs the cells that ran cleanly again (and those fallbacks), then goes on after the bad cell.
+"""
 
 from __future__ import annotations
 
-import signal
-import tempfile
-from pathlib import Path
+import time
+from dataclasses import dataclass
 
-from .. import notebooks as nbs
-from ..notebooks import NotebookError
-from .plan import Reference, Step, plan
-from .report import OUTPUT_LIMIT, Grades, _blank
-from .sandbox import PROCESS_OUTPUT_CAP, WORKER_GONE, Run, Zygote, run_job
-from .worker import OUTPUT_CAP
+import torch
+
+from .plan import Reference, Submission
+from .protocol import WrongType
+from .report import Grades
+from .sandbox import BadMessage, Connection, Remote, WorkerFault, WorkerGone, WorkerTimeout, Zygote
 
 
-def grade_notebook(path: Path, ref: Reference, zygote: Zygote, options) -> Grades:
-    points = {e["id"]: e["points"] for e in zygote.exercises}
-    grades = Grades(
-        str(path),
-        {x: _blank(p, "missing", f'no cell calls check("{x}", …)') for x, p in points.items()},
-    )
-    try:
-        nb = nbs.load(path)
-    except NotebookError as e:
-        grades.error = str(e)
-        for entry in grades.exercises.values():
-            entry.update(status="error", message="the notebook could not be read")
-        return grades
-    steps, grades.warnings = plan(nb, ref.chapter, list(points))
-    with tempfile.TemporaryDirectory(prefix="qwen-mini-grade-") as tmp:
-        _run_steps(steps, ref, zygote, Path(tmp), options, grades)
-    for exercise, entry in grades.exercises.items():
-        printed = entry.pop("output_chars", 0)
-        if printed > OUTPUT_LIMIT:
-            entry.update(
-                status="output",
-                message=f"printed {printed:,} characters (the limit is {OUTPUT_LIMIT:,}); "
-                "remove the debugging prints and submit again",
+@dataclass
+class Options:
+    timeout: float = 30.0  # seconds per cell and per exercise's checks
+    budget: float = 600.0  # seconds per notebook, everything included
+    memory_mb: int = 2048
+
+
+class Session:
+    def __init__(self, sub: Submission, ref: Reference, zygote: Zygote, options: Options):
+        self.sub, self.ref, self.zygote, self.options = sub, ref, zygote, options
+        self.grades = Grades(sub.name, {e.id: e.points for e in ref.exercises})
+        self.grades.warnings += sub.warnings
+        self.entries = {e.id: e for e in ref.exercises}
+        self.conn: Connection | None = None
+        self.log: list[tuple] = []  # what a new worker replays: ("cell", i, src) / ("fallback", x)
+        self.graded: set[str] = set()
+        self.end_of_budget = time.monotonic() + options.budget
+        self.fault_note = ""
+
+    # the worker
+
+    def _deadline(self) -> float:
+        return min(time.monotonic() + self.options.timeout, self.end_of_budget)
+
+    def _connect(self) -> Connection:
+        if self.conn is None:
+            conn = Connection(self.zygote, self.options.memory_mb, self._use)
+            self.conn = conn
+            try:
+                for entry in self.log:  # the state before the failure, without the bad cell
+                    conn.deadline = self._deadline()
+                    if entry[0] == "cell":
+                        conn.request({"op": "cell", "i": entry[1], "src": entry[2]})
+                    else:
+                        conn.request(
+                            {"op": "fallback", "ex": entry[1], "name": self.ref.names[entry[1]]}
+                        )
+            except WorkerFault as fault:
+                self._lost(fault)
+                raise
+        return self.conn
+
+    def _lost(self, fault: WorkerFault) -> str:
+        """End the worker after a fault; a message that says what happened."""
+        ended = self.conn.close() if self.conn else {}
+        self._keep_output(ended)
+        self.conn = None
+        if isinstance(fault, WorkerTimeout):
+            if time.monotonic() >= self.end_of_budget - 0.05:
+                return f"the notebook used up its budget of {self.options.budget:g} s"
+            stopped = " (the process was stopped, not running)" if ended.get("stopped") else ""
+            return f"did not finish within {self.options.timeout:g} s{stopped}"
+        if isinstance(fault, BadMessage):
+            return f"the process running your code broke the grader's channel ({fault})"
+        code = ended.get("exit")
+        if code is not None and code < 0:
+            return f"the process running your code was killed (signal {-code}; too much memory?)"
+        if code is not None:
+            return f"the process running your code exited with code {code} (os._exit?)"
+        return "the process running your code died"
+
+    def _keep_output(self, ended: dict) -> None:
+        if ended.get("output"):
+            text = ended["output"].decode("utf-8", "replace")
+            self.grades.output += text
+        if ended.get("output_bytes", 0) > len(ended.get("output", b"")):
+            self.grades.warnings.append(
+                f"the process wrote {ended['output_bytes']} bytes of output; kept the first "
+                f"{len(ended['output'])}"
             )
-        elif printed > OUTPUT_CAP:
-            grades.warnings.append(
-                f"{exercise}: printed a lot of output; kept the first {OUTPUT_CAP} characters"
-            )
-        if entry["status"] == "passed":
-            entry["points"] = points[exercise]
-    return grades
 
+    # running
 
-def _run_steps(
-    steps: list[Step], ref: Reference, zygote: Zygote, tmp: Path, options, grades: Grades
-) -> None:
-    """Run the steps in as few processes as possible: after a timeout or a crash, a fresh one
-    reruns setup and the earlier cells that ran cleanly, then carries on after the bad cell."""
-    start, replay = 0, []
-    setup_timeout = max(60.0, 2 * options.timeout)
-    while start < len(steps):
-        job = {
-            "setup": ref.setup,
-            "replay": replay,
-            "objects": ref.objects,
-            "cwd": str(ref.notebook.parent),
-            "memory_mb": options.memory_mb,
-            "steps": [{"cell": s.cell, "source": s.source, "ids": s.ids} for s in steps[start:]],
-        }
-        run = run_job(zygote, job, tmp, options.timeout, setup_timeout)
-        grades.output += run.output.decode(errors="replace")
-        if run.output_bytes > PROCESS_OUTPUT_CAP:
-            grades.warnings.append(
-                f"the process wrote {run.output_bytes} bytes to its output; "
-                f"kept the first {PROCESS_OUTPUT_CAP}"
-            )
-        current, clean = None, set()
-        for event in run.events:
-            if event["event"] == "cell-start":
-                current = event["cell"]
-            elif event["event"] == "cell-done" and event["ok"]:
-                clean.add(event["cell"])
-            elif event["event"] == "result":
-                grades.exercises[event["id"]].update(
-                    {k: v for k, v in event.items() if k not in ("event", "id")}
+    def run(self) -> Grades:
+        for cell in self.sub.cells:
+            if time.monotonic() >= self.end_of_budget:
+                self._rest(
+                    "timeout", f"the notebook used up its budget of {self.options.budget:g} s"
                 )
-            elif event["event"] == "setup-failed":
-                _fail_rest(steps[start:], grades, "error", event["message"])
-                return
-        if any(e["event"] == "finished" for e in run.events):
+                break
+            self._cell(cell)
+        for exercise in self.ref.ids:
+            if exercise not in self.graded and time.monotonic() < self.end_of_budget:
+                self._by_name(exercise)
+        self._rest("timeout", f"the notebook used up its budget of {self.options.budget:g} s")
+        if self.conn is not None:
+            self._keep_output(self.conn.close())
+            self.conn = None
+        return self.grades
+
+    def _rest(self, status: str, message: str) -> None:
+        for exercise in self.ref.ids:
+            if exercise not in self.graded and time.monotonic() >= self.end_of_budget:
+                self.grades.set(exercise, status, message)
+                self.graded.add(exercise)
+
+    def _cell(self, cell) -> None:
+        failure, checked = None, []
+        try:
+            conn = self._connect()
+            conn.deadline = self._deadline()
+            result = conn.request({"op": "cell", "i": cell.index, "src": cell.source})
+            checked = self._validate_cell(result)
+            for note in result["notes"]:
+                self.grades.warnings.append(f"cell {cell.index}: {note}")
+            if result["ok"]:
+                self.log.append(("cell", cell.index, cell.source))
+            else:
+                failure = _cell_failure(result)
+        except WorkerFault as fault:
+            failure = (
+                "timeout" if isinstance(fault, WorkerTimeout) else "crashed",
+                self._lost(fault),
+            )
+            failure = (failure[0], f"cell {cell.index}: {failure[1]}")
+        order = list(dict.fromkeys([x for x, _ in checked] + cell.mentions))
+        if failure:
+            self.grades.warnings.append(f"cell {cell.index}: {failure[0]}: {failure[1]}")
+        for exercise in order:
+            if exercise not in self.entries:
+                self.grades.warnings.append(
+                    f"cell {cell.index} checks {exercise!r}, not an exercise; ignored"
+                )
+                continue
+            if exercise in self.graded:
+                self.grades.warnings.append(
+                    f"{exercise} is checked again in cell {cell.index}: graded that copy"
+                )
+            objects = [obj for x, obj in checked if x == exercise]
+            if objects:
+                self._grade(exercise, objects[-1])
+            elif failure:
+                self.grades.set(exercise, failure[0], failure[1])
+                self.graded.add(exercise)
+                self._fall_back(exercise)
+
+    def _validate_cell(self, result) -> list[tuple[str, Remote]]:
+        ok = (
+            type(result) is dict
+            and type(result.get("ok")) is bool
+            and type(result.get("notes")) is list
+            and all(type(n) is str for n in result["notes"])
+            and type(result.get("checked")) is list
+            and all(
+                type(c) is list and len(c) == 2 and type(c[0]) is str and type(c[1]) is Remote
+                for c in result["checked"]
+            )
+        )
+        if ok and not result["ok"]:
+            ok = (
+                result.get("kind") in ("not-implemented", "exit", "memory", "error")
+                and type(result.get("error")) is str
+            )
+        if not ok:
+            raise BadMessage("a malformed answer to a cell")
+        return [(x, obj) for x, obj in result["checked"]]
+
+    def _by_name(self, exercise: str) -> None:
+        name = self.ref.names[exercise]
+        try:
+            conn = self._connect()
+            conn.deadline = self._deadline()
+            obj = conn.request({"op": "lookup", "name": name})
+        except NameError:
+            self.grades.set(
+                exercise,
+                "missing",
+                f'no cell calls check("{exercise}", …) and no `{name}` is defined',
+            )
+            self.graded.add(exercise)
             return
-        if current is None:  # died or hung in setup: no exercise can run
-            why = "timed out" if run.timed_out else f"stopped (exit code {run.exit_code})"
-            _fail_rest(steps[start:], grades, "error", f"the reference setup cells {why}")
+        except WorkerFault as fault:
+            status = "timeout" if isinstance(fault, WorkerTimeout) else "crashed"
+            self.grades.set(exercise, status, self._lost(fault))
+            self.graded.add(exercise)
             return
-        index = next(i for i, s in enumerate(steps) if s.cell == current)
-        status, message = _stopped(run, options)
-        _fail_rest([steps[index]], grades, status, message)
-        if status == "timeout":
-            for exercise in steps[index].ids:
-                grades.exercises[exercise]["runtime_s"] = options.timeout
-        replay += [(s.cell, s.source) for s in steps[start:index] if s.cell in clean]
-        start = index + 1
+        except Exception as e:
+            self.grades.set(exercise, "crashed", f"could not find `{name}`: {e}")
+            self.graded.add(exercise)
+            return
+        if type(obj) is not Remote:
+            self.grades.set(exercise, "failed", f"`{name}` is plain data, not a function or class")
+            self.graded.add(exercise)
+            return
+        self.grades.warnings.append(f"{exercise}: no cell calls check(); graded `{name}`")
+        self._grade(exercise, obj)
+
+    # grading one exercise
+
+    def _grade(self, exercise: str, obj: Remote) -> None:
+        self.graded.add(exercise)
+        started = time.monotonic()
+        try:
+            status, message = self._check(exercise, obj)
+        except WorkerFault as fault:
+            status = "timeout" if isinstance(fault, WorkerTimeout) else "crashed"
+            message = self._lost(fault)
+        self.grades.set(exercise, status, message, runtime_s=round(time.monotonic() - started, 3))
+        if status != "passed":
+            self._fall_back(exercise)
+
+    def _check(self, exercise: str, obj: Remote) -> tuple[str, str]:
+        conn = self.conn
+        conn.deadline = self._deadline()
+        conn.codec.mirrors.clear()
+        begin = conn.request({"op": "begin", "ex": exercise})
+        if type(begin) is not dict or not all(
+            type(begin.get(k)) is str for k in ("tampered", "helpers")
+        ):
+            raise BadMessage("a malformed answer to begin")
+        status, message = self._run_checks(exercise, obj)
+        end = conn.request({"op": "end"})
+        if type(end) is not dict or not all(
+            type(end.get(k)) is str for k in ("reference", "tampered")
+        ):
+            raise BadMessage("a malformed answer to end")
+        name = self.ref.names[exercise]
+        if end["reference"]:
+            return "reference", (
+                f"your `{name}` runs the package's own {exercise} ({end['reference'][:200]}); "
+                "an exercise must be your own code (calling earlier pieces is fine)"
+            )
+        tampered = begin["tampered"] or end["tampered"]
+        if tampered:
+            return "tampered", (
+                f"your code replaced `{tampered[:200]}`; an exercise must not change torch, the "
+                "builtins or qwen_mini"
+            )
+        if begin["helpers"]:
+            return "tampered", (
+                f"{begin['helpers'][:200]} started by your code was still running when {exercise} "
+                "was checked; stop background threads and processes first"
+            )
+        return status, message
+
+    def _run_checks(self, exercise: str, obj, hidden: bool = True) -> tuple[str, str]:
+        """Every public, then every hidden check; the first failure decides. Hidden checks
+        report their name (their category), never their inputs."""
+        entry = self.entries[exercise]
+        checks = [(n, f, False) for n, f in entry.public]
+        if hidden:
+            checks += [(n, f, True) for n, f in entry.hidden]
+        for name, fn, is_hidden in checks:
+            try:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(0)
+                    fn(obj)
+            except NotImplementedError:
+                return "failed", "not implemented yet"
+            except MemoryError:
+                return "crashed", f"used more than the {self.options.memory_mb} MB memory limit"
+            except WrongType as e:
+                return "failed", f"{name} failed: {e}"
+            except AssertionError as e:
+                if is_hidden:
+                    return "failed", f"a hidden check failed: {name}"
+                return "failed", f"{name} failed: {e}"
+            except Exception as e:
+                what = f"your code raised {type(e).__name__}"
+                if is_hidden:
+                    return "failed", f"a hidden check failed: {name} ({what})"
+                return "failed", f"{name} failed: {what}: {str(e)[:500]}"
+        return "passed", f"passed {len(checks)}/{len(checks)} checks"
+
+    def _use(self, exercise: str, obj) -> bool:
+        """The learner's `use(...)`: does `obj` pass the exercise's public checks?"""
+        if exercise not in self.entries or type(obj) is not Remote:
+            return False
+        status, _ = self._run_checks(exercise, obj, hidden=False)
+        return status == "passed"
+
+    def _fall_back(self, exercise: str) -> None:
+        self.log.append(("fallback", exercise))
+        if self.conn is None:
+            return  # the next worker replays the log, fallbacks included
+        try:
+            self.conn.deadline = self._deadline()
+            self.conn.request({"op": "fallback", "ex": exercise, "name": self.ref.names[exercise]})
+        except WorkerFault as fault:
+            self._lost(fault)
 
 
-def _stopped(run: Run, options) -> tuple[str, str]:
-    if run.timed_out:
-        return "timeout", f"did not finish within {options.timeout:g} s (an endless loop?)"
-    code = run.exit_code
-    if code == WORKER_GONE:
-        return "error", "the grading worker was killed (by the submission?) and had to be restarted"
-    if code == -signal.SIGKILL:
-        return "memory", "the process was killed, most likely for using too much memory"
-    if code is not None and code < 0:
-        return "error", f"the process crashed ({signal.Signals(-code).name})"
-    return "error", f"the process exited with code {code} (os._exit?); exiting is not allowed"
+def _cell_failure(result: dict) -> tuple[str, str]:
+    kind, error = result["kind"], result["error"][:1000]
+    if kind == "not-implemented":
+        return "failed", f"not implemented yet (your cell {error})"
+    if kind == "memory":
+        return "crashed", f"your cell used more than the memory limit: {error}"
+    return "crashed", f"your cell {error}"
 
 
-def _fail_rest(steps: list[Step], grades: Grades, status: str, message: str) -> None:
-    for step in steps:
-        for exercise in step.ids:
-            if grades.exercises[exercise]["status"] == "missing":
-                grades.exercises[exercise].update(status=status, message=message)
+def grade_notebook(sub: Submission, ref: Reference, zygote: Zygote, options: Options) -> Grades:
+    if sub.error:
+        grades = Grades(sub.name, {e.id: e.points for e in ref.exercises})
+        grades.error = f"{sub.name}: {sub.error}"
+        for exercise in ref.ids:
+            grades.set(exercise, "unreadable", f"the notebook {sub.error}")
+        return grades
+    try:
+        return Session(sub, ref, zygote, options).run()
+    except WorkerFault as fault:  # could not even start a worker for it
+        grades = Grades(sub.name, {e.id: e.points for e in ref.exercises})
+        for exercise in ref.ids:
+            grades.set(
+                exercise, "crashed", f"the grading process could not start ({type(fault).__name__})"
+            )
+        return grades
+
+
+__all__ = ["Options", "grade_notebook", "WorkerGone"]

@@ -1,8 +1,22 @@
-"""What runs inside the forked grading process: learner cells, then the checks, with limits."""
+"""What runs on the sandbox side: the zygote, and in each forked worker the learner's cells.
+
+The zygote (`python -I`, trusted, started once per grading slot) imports torch, IPython's cell
+transformer and the chapter's checks, notes what every exercise's reference is made of, then
+forks one worker per submission. A worker drops to an unprivileged user of its own (when the
+grader runs as root), sets its limits, and then obeys the grader: run cell N, look up a name,
+call a method of an object of its own, report whether an exercise's reference ran. It never
+compares anything: the checks run in the grader, on values this process sends as plain data.
+
+When a submission is done, the zygote kills every process it left behind: the worker's session,
+every process of its user id, and every orphan reparented to the zygote (a child subreaper), so
+`setsid` and double forks do not escape.
+"""
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import ctypes
 import io
 import json
 import os
@@ -12,82 +26,511 @@ import socket
 import sys
 import time
 import traceback
-from pathlib import Path
+import types
 
-OUTPUT_CAP = 10_000  # characters of printed output kept per exercise
+from . import protocol
+from .protocol import Codec, Handle, ProtocolError
+
 FILE_SIZE_LIMIT = 64 * 2**20  # bytes: a submission may write files, but not fill the disk
+PROCESS_LIMIT = 64  # processes of a submission's user (fork bombs)
+PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG = 36, 1
+_DROPPED = False  # this process runs as a user id of its own
+BLOCKED_WHILE_CHECKED = (
+    "sys.setprofile",
+    "sys.settrace",
+    "_thread.start_new_thread",
+    "os.fork",
+    "os.forkpty",
+    "os.posix_spawn",
+    "os.exec",
+    "os.spawn",
+    "os.system",
+    "subprocess.Popen",
+    "ctypes.dlopen",
+    "ctypes.dlsym",
+    "ctypes.cdata",
+    "ctypes.addressof",
+    "gc.get_objects",
+    "gc.get_referrers",
+    "gc.get_referents",
+    "sys._current_frames",
+)
 
 
-class _CappedText(io.TextIOBase):
-    """A stdout that keeps the first `cap` characters and counts the rest."""
+# --- what the references are made of (computed in the zygote, before any learner code) ----------
 
-    def __init__(self, cap: int):
-        self.cap, self.kept, self.count = cap, [], 0
 
-    def writable(self) -> bool:
-        return True
+def _codes(obj, seen=None) -> list[types.CodeType]:
+    """Every code object a function or class (and the functions nested in them) runs."""
+    seen = set() if seen is None else seen
+    out = []
+    if id(obj) in seen:
+        return out
+    seen.add(id(obj))
+    if isinstance(obj, types.CodeType):
+        out.append(obj)
+        for c in obj.co_consts:
+            if isinstance(c, types.CodeType):
+                out += _codes(c, seen)
+    elif isinstance(obj, (staticmethod, classmethod)):
+        out += _codes(obj.__func__, seen)
+    elif isinstance(obj, property):
+        for f in (obj.fget, obj.fset, obj.fdel):
+            if f is not None:
+                out += _codes(f, seen)
+    elif isinstance(obj, type):
+        for klass in obj.__mro__:
+            if getattr(klass, "__module__", "").split(".")[0] == "qwen_mini":
+                for value in vars(klass).values():
+                    out += _codes(value, seen)
+    elif hasattr(obj, "__code__") and isinstance(obj.__code__, types.CodeType):
+        out += _codes(obj.__code__, seen)
+    return out
 
-    def write(self, s: str) -> int:
-        room = self.cap - min(self.count, self.cap)
-        if room:
-            self.kept.append(s[:room])
-        self.count += len(s)
-        return len(s)
 
-    def text(self) -> str:
-        return "".join(self.kept)
+def fingerprint(code: types.CodeType) -> tuple:
+    """What a code object does, without where it was compiled: a copy of the reference's source
+    compiled again (exec, a module written to disk, `code.replace`) has the same fingerprint."""
+    consts = tuple(
+        fingerprint(c) if isinstance(c, types.CodeType) else (type(c).__name__, repr(c))
+        for c in code.co_consts
+    )
+    return (code.co_code, code.co_names, code.co_varnames, consts)
+
+
+class Snapshot:
+    """Per exercise: the reference object, the ids of its code objects and their fingerprints;
+    the ids of every code object of the package; what the checked namespaces hold."""
+
+    def __init__(self, exercises):
+        self.references = {e.id: e.reference for e in exercises}
+        self.code_ids, self.fingerprints = {}, {}
+        self.keep = []  # code objects stay alive, so their ids stay theirs
+        for e in exercises:
+            codes = _codes(e.reference)
+            self.keep += codes
+            self.code_ids[e.id] = {id(c) for c in codes}
+            self.fingerprints[e.id] = {fingerprint(c) for c in codes}
+        self.package_ids = set()
+        for name, module in list(sys.modules.items()):
+            if name.split(".")[0] == "qwen_mini" and module is not None:
+                for value in list(vars(module).values()):
+                    codes = _codes(value)
+                    self.keep += codes
+                    self.package_ids.update(id(c) for c in codes)
+        self.names = namespaces()
+
+
+def namespaces() -> dict[str, int]:
+    """Public names of torch, torch.nn.functional, Tensor, Module, the builtins and the package's
+    model modules, each with the id of what it refers to."""
+    import torch
+    import torch.nn.functional as F
+
+    spaces = dict(torch=torch, F=F, Tensor=torch.Tensor, Module=torch.nn.Module, builtins=builtins)
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] == "qwen_mini" and not name.startswith("qwen_mini.course"):
+            spaces[name] = module
+    return {
+        f"{where}.{k}": id(v)
+        for where, m in spaces.items()
+        for k, v in list(vars(m).items())
+        if not k.startswith("_") and not isinstance(v, types.ModuleType)
+    }
+
+
+def changed(before: dict[str, int]) -> str:
+    now = namespaces()
+    for name, value in before.items():
+        if now.get(name) != value:
+            return name
+    return ""
+
+
+# --- the worker ----------------------------------------------------------------------------------
+
+
+class Monitor:
+    """While the grader checks an exercise, notes whether the reference's code runs: called
+    directly, wrapped, subclassed, through functools.partial, or as a copy compiled again."""
+
+    def __init__(self, snapshot: Snapshot):
+        self.snap = snapshot
+        self.cell_code_ids: set[int] = set()
+        self.cell_codes: list = []
+        self.memo: dict[int, tuple] = {}
+        self.exercise = None
+        self.hit = ""
+        self.allow = False
+
+    def add_cell(self, code: types.CodeType) -> None:
+        for c in _codes(code):
+            self.cell_codes.append(c)
+            self.cell_code_ids.add(id(c))
+
+    def profile(self, frame, event, arg):
+        if event != "call" or self.exercise is None or self.hit:
+            return
+        code = frame.f_code
+        cid = id(code)
+        if cid in self.cell_code_ids:
+            return
+        ids = self.snap.code_ids[self.exercise]
+        if cid in ids:
+            self.hit = code.co_qualname
+            return
+        if cid in self.snap.package_ids:
+            return  # an earlier piece of the package: allowed
+        entry = self.memo.get(cid)
+        if entry is None or entry[0] is not code:
+            entry = self.memo[cid] = (code, fingerprint(code))
+        if entry[1] in self.snap.fingerprints[self.exercise]:
+            self.hit = f"a copy of {code.co_qualname}"
+
+    def audit(self, event: str, args) -> None:
+        if self.exercise is not None and not self.allow and event.startswith(BLOCKED_WHILE_CHECKED):
+            raise RuntimeError(f"{event} is not allowed while an exercise is being checked")
+
+    def start(self, exercise: str) -> None:
+        self.exercise, self.hit, self.allow = exercise, "", True
+        sys.setprofile(self.profile)
+        self.allow = False
+
+    def stop(self) -> str:
+        self.allow = True
+        sys.setprofile(None)
+        self.exercise, self.allow = None, False
+        return self.hit
 
 
 class _Shell:
-    """Just enough of IPython's `get_ipython()` for magics in a cell to run headless."""
+    """Just enough of IPython's `get_ipython()` for a cell with magics to run headless."""
 
-    def __init__(self, namespace: dict):
-        self.namespace = namespace
+    def __init__(self, worker: Worker):
+        self.worker = worker
 
     def run_line_magic(self, name, line, *args, **kwargs):
-        return None  # %matplotlib, %load_ext, %timeit x… change nothing that is graded
+        self.worker.notes.append(f"skipped the magic %{name}")
 
     def run_cell_magic(self, name, line, cell, *args, **kwargs):
         if name in ("time", "timeit", "capture"):  # these run their body as Python
-            _exec(cell, self.namespace, "<cell magic>")
+            self.worker.exec_source(cell, f"<cell {self.worker.cell} %%{name}>")
+        else:
+            self.worker.notes.append(f"skipped the cell magic %%{name}")
 
-    def system(self, *args, **kwargs):
-        return None  # `!pip install …` does not run when grading
+    def system(self, cmd, *args, **kwargs):
+        self.worker.notes.append(f"skipped the shell command !{cmd}")
 
-    getoutput = system
-
-
-def _exec(text: str, namespace: dict, name: str) -> None:
-    from IPython.core.inputtransformer2 import TransformerManager
-
-    code = TransformerManager().transform_cell(text)  # magics -> get_ipython() calls
-    exec(compile(code, name, "exec"), namespace)
+    def getoutput(self, cmd, *args, **kwargs):
+        self.worker.notes.append(f"skipped the shell command !{cmd}")
+        return []
 
 
-def _is_memory(e: BaseException) -> bool:
-    text = str(e).lower()
-    return isinstance(e, MemoryError) or (
-        isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
-    )
+class ParentObject:
+    """An object of the grader's (a reference KV cache a check passes in): public attributes and
+    calls go back to the grader."""
+
+    __slots__ = ("_worker", "_h", "_type")
+
+    def __init__(self, worker, h, type_name):
+        object.__setattr__(self, "_worker", worker)
+        object.__setattr__(self, "_h", h)
+        object.__setattr__(self, "_type", type_name)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return self._worker.ask({"op": "getattr", "h": self._h, "name": name})
+
+    def __setattr__(self, name, value):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        self._worker.ask({"op": "setattr", "h": self._h, "name": name, "value": value})
+
+    def __call__(self, *args, **kwargs):
+        return self._worker.ask({"op": "call", "h": self._h, "args": args, "kwargs": kwargs})
+
+    def __repr__(self):
+        return f"<grader's {self._type}>"
+
+
+class Worker:
+    def __init__(self, sock: socket.socket, snapshot: Snapshot):
+        from IPython.core.inputtransformer2 import TransformerManager
+
+        self.sock, self.snap = sock, snapshot
+        self.transform = TransformerManager().transform_cell
+        self.codec = Codec("w", lambda h, t: ParentObject(self, h, t))
+        self.monitor = Monitor(snapshot)
+        self.namespace = {"__name__": "__main__", "__builtins__": builtins}
+        self.namespace["get_ipython"] = lambda: _Shell(self)
+        self.notes: list[str] = []
+        self.checked: list[tuple[str, object]] = []
+        self.cell = -1
+        self.request_id = 0
+
+    # the learner's check() and use(): grading happens in the grader
+
+    def check(self, exercise_id, obj=None, *args, **kwargs):
+        self.checked.append((str(exercise_id), obj))
+
+    def use(self, exercise_id, obj=None, *args, **kwargs):
+        exercise_id = str(exercise_id)
+        if exercise_id not in self.snap.references:
+            raise KeyError(f"unknown exercise {exercise_id!r}")
+        if obj is self.snap.references[exercise_id]:
+            return obj
+        ok = self.ask({"op": "use", "ex": exercise_id, "obj": obj})
+        return obj if ok is True else self.snap.references[exercise_id]
+
+    # channel
+
+    def ask(self, message: dict):
+        """Send a request to the grader and serve its requests until the answer comes."""
+        self.request_id += 1
+        message = dict(message, id=self.request_id)
+        for key in ("args", "kwargs", "value", "obj"):
+            if key in message:
+                message[key] = self.codec.encode(message[key])
+        protocol.send(self.sock, message)
+        return self.serve(until=self.request_id)
+
+    def serve(self, until=None):
+        while True:
+            message = protocol.receive(self.sock)
+            if "op" not in message:
+                if message.get("id") != until:
+                    raise ProtocolError("an answer to a question not asked")
+                if "raise" in message:
+                    raise _exception(message["raise"])
+                return self.codec.decode(message.get("re"))
+            self.answer(message)
+            if message["op"] == "quit":
+                return None
+
+    def answer(self, message: dict) -> None:
+        try:
+            result = {"re": self.codec.encode(self.do(message))}
+        except ProtocolError:
+            raise
+        except BaseException as e:  # the learner's exception, sent as a description
+            result = {"raise": {"type": _type_name(e), "msg": _text(e)}}
+        protocol.send(self.sock, dict(result, id=message.get("id")))
+
+    def do(self, m: dict):
+        import torch
+
+        op, lookup, decode = m["op"], self.codec.lookup, self.codec.decode
+        for h, value in m.get("sync", []):
+            with torch.no_grad():
+                lookup(h).copy_(decode(value))
+        with torch.set_grad_enabled(m.get("grad", True) is True):
+            if op == "cell":
+                return self.run_cell(m["i"], m["src"])
+            if op == "lookup":
+                name = m["name"]
+                if name not in self.namespace:
+                    raise NameError(f"name {name!r} is not defined")
+                return Handle(self.namespace[name])
+            if op == "handle":
+                return Handle(lookup(m["h"]))
+            if op == "fallback":
+                self.namespace[m["name"]] = self.snap.references[m["ex"]]
+                return None
+            if op == "begin":
+                return self.begin(m["ex"])
+            if op == "end":
+                hit = self.monitor.stop()
+                return {"reference": hit, "tampered": changed(self.snap.names)}
+            if op == "quit":
+                return None
+            target = lookup(m["h"])
+            if op == "call":
+                return target(*decode(m["args"]), **decode(m["kwargs"]))
+            if op == "getattr":
+                return getattr(target, m["name"])
+            if op == "setattr":
+                return setattr(target, m["name"], decode(m["value"]))
+            if op == "getitem":
+                return target[decode(m["key"])]
+            if op == "setitem":
+                target[decode(m["key"])] = decode(m["value"])
+                return None
+            if op == "len":
+                return len(target)
+            if op == "iter":
+                return Handle(iter(target))
+            if op == "next":
+                return next(target)
+        raise ProtocolError(f"unknown operation {op!r}")
+
+    def begin(self, exercise: str) -> dict:
+        if exercise not in self.snap.references:
+            raise ProtocolError(f"unknown exercise {exercise!r}")
+        helpers = _helpers_alive()
+        self.monitor.start(exercise)
+        return {"tampered": changed(self.snap.names), "helpers": helpers}
+
+    # cells
+
+    def exec_source(self, text: str, name: str) -> None:
+        code = compile(self.transform(text), name, "exec")
+        self.monitor.add_cell(code)
+        exec(code, self.namespace)
+
+    def run_cell(self, index: int, text: str) -> dict:
+        self.cell, self.notes, self.checked = index, [], []
+        result = {"ok": True}
+        try:
+            self.exec_source(text, f"<cell {index}>")
+        except BaseException as e:
+            result = {"ok": False, "kind": _kind(e), "error": _describe(e, f"<cell {index}>")}
+        sys.stdout.flush()
+        sys.stderr.flush()
+        result["notes"] = self.notes
+        result["checked"] = [[x, Handle(obj)] for x, obj in self.checked]
+        return result
+
+
+def _type_name(obj) -> str:
+    t = obj if isinstance(obj, type) else type(obj)
+    return str(getattr(t, "__name__", "object"))[:100]
+
+
+def _text(e: BaseException, limit: int = 2000) -> str:
+    try:
+        text = str(e)
+    except BaseException:
+        text = "(an exception whose message could not be read)"
+    return text[:limit]
+
+
+def _exception(info) -> BaseException:
+    if type(info) is not dict:
+        raise ProtocolError("a malformed exception")
+    name, text = str(info.get("type")), str(info.get("msg"))
+    cls = getattr(builtins, name, None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        return cls(text)
+    return RuntimeError(f"{name}: {text}")
+
+
+def _kind(e: BaseException) -> str:
+    if isinstance(e, NotImplementedError):
+        return "not-implemented"
+    if isinstance(e, (SystemExit, KeyboardInterrupt)):
+        return "exit"
+    text = _text(e).lower()
+    if isinstance(e, MemoryError) or "can't allocate memory" in text or "out of memory" in text:
+        return "memory"
+    return "error"
 
 
 def _describe(e: BaseException, filename: str) -> str:
     if isinstance(e, SystemExit):
-        return f"called sys.exit({e.code!r}); exiting is not allowed in an exercise"
+        return f"called sys.exit({_text(e)}); a notebook must not exit"
     lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == filename]
     at = f" (line {lines[-1]} of the cell)" if lines else ""
-    return f"raised {type(e).__name__}: {e}{at}"
+    return f"raised {type(e).__name__}: {_text(e, 500)}{at}"
 
 
-def _status(e: BaseException) -> str:
-    if isinstance(e, NotImplementedError):
-        return "not-implemented"
-    return "memory" if _is_memory(e) else "error"
+def _helpers_alive() -> str:
+    """Threads or processes the submission started that still run (they would escape the
+    monitor while an exercise is checked)."""
+    import _thread
+
+    if _thread._count() > 0:
+        return f"{_thread._count()} thread(s)"
+    me, uid = os.getpid(), os.getuid()
+    if not _DROPPED:
+        return ""
+    for pid in _pids():
+        if pid != me and _uid_of(pid) == uid:
+            return f"process {pid}"
+    return ""
 
 
-def _limit_memory(memory_mb: int) -> None:
-    """Allow `memory_mb` of address space beyond what the process already has (torch alone
-    maps hundreds of megabytes), so the limit means the same whatever was imported."""
+# --- processes -----------------------------------------------------------------------------------
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _uid_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _state_of(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return ""
+
+
+def _descendants(root: int) -> set[int]:
+    parents = {pid: _parent_of(pid) for pid in _pids()}
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier and p not in found}
+        found |= frontier
+    return found
+
+
+def sweep(uid: int | None) -> None:
+    """Kill every descendant of this process (orphans are reparented here: a subreaper) and
+    every process of `uid`, until none is left; reap them."""
+    me = os.getpid()
+    for _ in range(200):
+        victims = _descendants(me)
+        if uid is not None:
+            victims |= {p for p in _pids() if _uid_of(p) == uid}
+        victims.discard(me)
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        _reap()
+        if not victims:
+            return
+        time.sleep(0.01)
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _prctl(option: int, value: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: no subreaper; the process group and the user id still apply
+
+
+def _limit(memory_mb: int, uid: int | None) -> None:
     try:
         with open("/proc/self/status") as f:
             size_kb = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
@@ -97,208 +540,127 @@ def _limit_memory(memory_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write fails instead of killing
     resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if uid is not None:  # counts the processes of this user id, which is the submission's own
+        resource.setrlimit(resource.RLIMIT_NPROC, (PROCESS_LIMIT, PROCESS_LIMIT))
 
 
-def _run_plan(job: dict, events: int) -> None:
-    """Run setup, replayed cells and exercise steps; report each result as a JSON line on fd
-    `events` (a pipe of its own, so nothing the learner prints can be mistaken for a result)."""
-    from ..checking import get, run_checks
-
-    def emit(**event) -> None:
-        os.write(events, (json.dumps(event) + "\n").encode())
-
-    namespace: dict = {"__name__": "__main__"}
-    namespace["get_ipython"] = lambda: _Shell(namespace)
-    _limit_memory(job["memory_mb"])
-    memory_note = f"used more than the {job['memory_mb']} MB memory limit"
-    emit(event="setup-start")
-    for n, text in enumerate(job["setup"]):
-        try:
-            _exec(text, namespace, f"<setup {n}>")
-        except BaseException as e:
-            emit(event="setup-failed", message=f"setup cell {n} {_describe(e, f'<setup {n}>')}")
-            return
-    # the learner's own check()/use() calls are not graded: skip their work and their output
-    namespace["check"] = lambda exercise_id, obj: None
-    namespace["use"] = lambda exercise_id, obj: obj
-    pristine = _fingerprint()  # before any learner code, replayed cells included
-    for cell, text in job["replay"]:  # earlier cells, rerun after a restart for their names
-        with contextlib.suppress(BaseException):
-            with _captured(OUTPUT_CAP):
-                _exec(text, namespace, f"<cell {cell}>")
-    emit(event="setup-done")
-    for step in job["steps"]:
-        emit(event="cell-start", cell=step["cell"])
-        name, started = f"<cell {step['cell']}>", time.monotonic()
-        with _captured(OUTPUT_CAP) as out:
-            try:
-                _exec(step["source"], namespace, name)
-                failure = None
-            except BaseException as e:
-                failure = e
-        emit(event="cell-done", cell=step["cell"], ok=failure is None)
-        tampered = _tampered(pristine)
-        for exercise in step["ids"]:
-            emit(event="check-start", id=exercise)
-            if tampered:
-                result = {
-                    "status": "tampered",
-                    "message": f"your code replaced {tampered}, which the checks rely on; "
-                    "an exercise must not change torch, the builtins or qwen_mini",
-                }
-            elif failure is not None:
-                result = {
-                    "status": _status(failure),
-                    "message": f"your cell {_describe(failure, name)}",
-                }
+def _become(job: dict) -> None:
+    """In the forked child: a session of its own, limits, the submission's user, its folder."""
+    os.setsid()
+    uid = job.get("uid")
+    _limit(job["memory_mb"], uid)
+    held = {}
+    if uid is not None:  # folders on sys.path the new user could not enter (a Python under /root)
+        for entry in sys.path:
+            with contextlib.suppress(OSError):
+                held[entry] = os.open(entry, os.O_RDONLY | os.O_DIRECTORY)
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+        global _DROPPED
+        _DROPPED = True
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote gone: nothing left to answer to
+    os.chdir(job["cwd"])
+    os.environ.update(HOME=job["cwd"], TMPDIR=job["cwd"], QWEN_MINI_CHECKS="learner")
+    sys.dont_write_bytecode = True
+    if uid is not None:
+        path = []
+        for entry, fd in held.items():
+            if not os.access(entry, os.R_OK | os.X_OK):
+                entry = f"/proc/self/fd/{fd}"  # opened before the switch: still readable
             else:
-                with _captured(OUTPUT_CAP) as check_out:
-                    result = _grade_object(
-                        exercise, job["objects"].get(exercise), namespace, get, run_checks
-                    )
-                out.count += check_out.count
-                if len(out.text()) < OUTPUT_CAP:
-                    out.kept.append(check_out.text()[: OUTPUT_CAP - len(out.text())])
-            if result["status"] != "passed":
-                _fall_back(exercise, job["objects"].get(exercise), namespace, get)
-            if result["status"] == "memory":
-                result["message"] = f"{memory_note}: {result['message']}"
-            result.update(
-                runtime_s=round(time.monotonic() - started, 3),
-                output=out.text(),
-                output_chars=out.count,
-            )
-            emit(event="result", id=exercise, **result)
-            started = time.monotonic()
-    emit(event="finished")
+                os.close(fd)
+            if not os.access(entry, os.W_OK):  # nothing importable from a folder it can write
+                path.append(entry)
+        sys.path[:] = path
+        sys.path_importer_cache.clear()
+    sys.stdout = io.TextIOWrapper(
+        io.FileIO(1, "w", closefd=False), errors="backslashreplace", line_buffering=True
+    )
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), errors="backslashreplace", line_buffering=True
+    )
 
 
-def _fingerprint() -> dict:
-    """What every name that the checks rely on refers to: qwen_mini's modules (the checks
-    included), torch's main namespaces and the builtins, and each exercise's registered checks.
-    Learner code runs in the checks' process; this is how patching them is caught."""
-    import builtins
-
-    import torch
-    import torch.nn.functional
-
-    from ..checking import _EXERCISES
-
-    spaces = {name: m for name, m in sys.modules.items() if name.split(".")[0] == "qwen_mini"}
-    spaces.update(torch=torch, F=torch.nn.functional, Tensor=torch.Tensor, Module=torch.nn.Module)
-    spaces["builtins"] = builtins
-    seen = {f"{where}.{k}": v for where, m in spaces.items() for k, v in list(vars(m).items())}
-    seen = {k: id(v) for k, v in seen.items() if not isinstance(v, type(sys))}  # submodules come
-    for e in _EXERCISES.values():
-        seen[f"the checks of {e.id}"] = (id(e.reference), *(id(f) for _, f in e.public + e.hidden))
-    return seen
-
-
-def _tampered(pristine: dict) -> str:
-    """The first name that now refers to something else (or is gone), as `torch.allclose`."""
-    now = _fingerprint()
-    for name, value in pristine.items():
-        if now.get(name) != value:
-            return f"`{name}`"
-    spaces = {name.rsplit(".", 1)[0] for name in pristine}
-    for name in now.keys() - pristine.keys():  # a new global can shadow a builtin in qwen_mini
-        where = name.rsplit(".", 1)[0]  # (a module imported since is new, not tampered with)
-        if where in spaces and where.split(".")[0] in ("qwen_mini", "Tensor", "Module"):
-            return f"`{name}`"
-    return ""
-
-
-@contextlib.contextmanager
-def _captured(cap: int):
-    out = _CappedText(cap)
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        yield out
-
-
-def _fall_back(exercise: str, expression: str | None, namespace: dict, get) -> None:
-    """Put the package's piece where the learner's failed, as `use` does in the notebook, so
-    that a stub in one exercise does not also cost the later exercises built on it."""
-    expression = expression or exercise.split(".", 1)[1]
-    if expression.isidentifier():
-        namespace[expression] = get(exercise).reference
-
-
-def _grade_object(exercise: str, expression: str | None, namespace: dict, get, run_checks) -> dict:
-    expression = expression or exercise.split(".", 1)[1]
-    try:
-        obj = eval(expression, namespace)
-    except BaseException as e:
-        return {
-            "status": "error",
-            "message": f"could not find `{expression}` after running your "
-            f"cell: {type(e).__name__}: {e}",
-        }
-    if obj is get(exercise).reference:
-        return {
-            "status": "failed",
-            "message": f"`{expression}` is the package's own implementation, not yours",
-        }
-    try:
-        result = run_checks(exercise, obj, hidden=True)
-    except BaseException as e:  # SystemExit, KeyboardInterrupt: run_checks lets them through
-        return {"status": _status(e), "message": _describe(e, "")}
-    if result.exception is not None and _is_memory(result.exception):
-        return {"status": "memory", "message": result.message}
-    message = result.message or ("" if result.ok else "not implemented yet")
-    return {
-        "status": result.status,
-        "message": message,
-        "checks": f"{result.passed}/{result.total}",
-    }
-
-
-def _grandchild(job: dict, fds: list[int]) -> None:
-    events, output = fds
-    os.setsid()  # its own process group: a timeout kills it and anything it started
+def _worker_main(job: dict, sock: socket.socket, output: int, snapshot: Snapshot) -> None:
     os.dup2(output, 1)
     os.dup2(output, 2)
-    os.chdir(job["cwd"])
-    _run_plan(job, events)
+    os.close(output)
+    _become(job)
+    import qwen_mini.course as course
+    from qwen_mini.course import checking
+
+    worker = Worker(sock, snapshot)
+    course.check = checking.check = worker.check
+    course.use = checking.use = worker.use
+    sys.addaudithook(worker.monitor.audit)
+    try:
+        protocol.send(sock, {"ready": True})
+        worker.serve()
+    except (EOFError, OSError, ProtocolError):
+        pass
 
 
-def _send(sock: socket.socket, message: dict) -> None:
-    sock.sendall((json.dumps(message) + "\n").encode())
+# --- the zygote ----------------------------------------------------------------------------------
 
 
 def serve_zygote(sock_fd: int, chapter: str) -> None:
-    """Import torch and the chapter's checks once, then fork one process per request."""
     sock = socket.socket(fileno=sock_fd)
     try:
+        import torch
+        import torch._dynamo  # noqa: F401  (imported once here, so that importing it is no change)
         from IPython.core.inputtransformer2 import TransformerManager  # noqa: F401
 
         from ..checking import exercises
 
-        found = [{"id": e.id, "points": e.points, "title": e.title} for e in exercises(chapter)]
-        _send(sock, {"ready": True, "exercises": found})
+        torch.set_num_threads(1)
+        os.environ.setdefault("MPLBACKEND", "Agg")
+        with contextlib.suppress(ImportError):  # once here, not once per notebook (and its fonts)
+            import matplotlib.pyplot as plt
+
+            plt.figure()
+            plt.close("all")
+        found = exercises(chapter)
+        snapshot = Snapshot(found)
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        protocol.send(sock, {"ready": True, "exercises": [e.id for e in found]})
     except BaseException:
-        _send(sock, {"ready": False, "error": traceback.format_exc()})
+        protocol.send(sock, {"ready": False, "error": traceback.format_exc()})
         return
     while True:
-        message, fds, _, _ = socket.recv_fds(sock, 4096, 2)
+        try:
+            message, fds, _, _ = socket.recv_fds(sock, 65536, 2)
+        except OSError:
+            return
         if not message:
-            return  # the grader closed its end
-        job = json.loads(Path(message.decode()).read_text())
+            return
+        job = json.loads(message)
         pid = os.fork()
         if pid == 0:
-            code = 0
             try:
                 sock.close()
-                _grandchild(job, fds)
-            except BaseException:
-                code = 70
+                _worker_main(job, socket.socket(fileno=fds[0]), fds[1], snapshot)
             finally:
-                os._exit(code)
+                os._exit(0)
         for fd in fds:
             os.close(fd)
-        _send(sock, {"pid": pid})
-        _, status = os.waitpid(pid, 0)
-        _send(sock, {"exit": os.waitstatus_to_exitcode(status)})
-
-
-if __name__ == "__main__":
-    serve_zygote(int(sys.argv[2]), sys.argv[3])
+        protocol.send(sock, {"pid": pid})
+        try:
+            protocol.receive(sock)  # {"end": ...}: the grader is done with this submission
+        except (EOFError, OSError, ProtocolError):
+            sweep(job.get("uid"))
+            return
+        stopped = _state_of(pid) == "T"
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        code = None
+        try:
+            _, status = os.waitpid(pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+        except ChildProcessError:
+            pass
+        sweep(job.get("uid"))
+        protocol.send(sock, {"exit": code, "stopped": stopped})
