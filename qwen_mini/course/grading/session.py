@@ -194,6 +194,7 @@ class Session:
                 f'no cell calls check("{exercise}", …) and no `{name}` is defined',
             )
             self.graded.add(exercise)
+            self._fall_back(exercise)
             return
         except WorkerFault as fault:
             status = "timeout" if isinstance(fault, WorkerTimeout) else "crashed"
@@ -215,6 +216,9 @@ class Session:
 
     def _grade(self, exercise: str, obj: Remote) -> None:
         self.graded.add(exercise)
+        for earlier in self.ref.ids[: self.ref.ids.index(exercise)]:
+            if earlier not in self.graded:  # graded now on its name, or the package's piece
+                self._by_name(earlier)
         started = time.monotonic()
         try:
             status, message = self._check(exercise, obj)

@@ -80,7 +80,7 @@ def _codes(obj, seen=None) -> list[types.CodeType]:
                 out += _codes(f, seen)
     elif isinstance(obj, type):
         for klass in obj.__mro__:
-            if getattr(klass, "__module__", "").split(".")[0] == "qwen_mini":
+            if getattr(klass, "__module__", "").split(".")[0] not in ("builtins", "torch"):
                 for value in vars(klass).values():
                     out += _codes(value, seen)
     elif hasattr(obj, "__code__") and isinstance(obj.__code__, types.CodeType):
@@ -565,22 +565,38 @@ def _become(job: dict) -> None:
     os.environ.update(HOME=job["cwd"], TMPDIR=job["cwd"], QWEN_MINI_CHECKS="learner")
     sys.dont_write_bytecode = True
     if uid is not None:
-        path = []
+        path, moved = [], {}
         for entry, fd in held.items():
             if not os.access(entry, os.R_OK | os.X_OK):
-                entry = f"/proc/self/fd/{fd}"  # opened before the switch: still readable
+                moved[entry] = f"/proc/self/fd/{fd}"  # opened before the switch: readable
+                entry = moved[entry]
             else:
                 os.close(fd)
             if not os.access(entry, os.W_OK):  # nothing importable from a folder it can write
                 path.append(entry)
         sys.path[:] = path
         sys.path_importer_cache.clear()
+        _repoint_packages(moved)
     sys.stdout = io.TextIOWrapper(
         io.FileIO(1, "w", closefd=False), errors="backslashreplace", line_buffering=True
     )
     sys.stderr = io.TextIOWrapper(
         io.FileIO(2, "w", closefd=False), errors="backslashreplace", line_buffering=True
     )
+
+
+def _repoint_packages(moved: dict[str, str]) -> None:
+    """Packages imported before the switch (importlib, email...) find their submodules through
+    `__path__`: point it at the readable copies of the folders too."""
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__path__", None)
+        if not isinstance(path, list):
+            continue
+        for i, folder in enumerate(path):
+            for old, new in moved.items():
+                if isinstance(folder, str) and (folder == old or folder.startswith(old + os.sep)):
+                    path[i] = new + folder[len(old) :]
+                    break
 
 
 def _worker_main(job: dict, sock: socket.socket, output: int, snapshot: Snapshot) -> None:
