@@ -38,7 +38,6 @@ _DROPPED = False  # this process runs as a user id of its own
 BLOCKED_WHILE_CHECKED = (
     "sys.setprofile",
     "sys.settrace",
-    "_thread.start_new_thread",
     "os.fork",
     "os.forkpty",
     "os.posix_spawn",
@@ -161,7 +160,6 @@ class Monitor:
         self.memo: dict[int, tuple] = {}
         self.exercise = None
         self.hit = ""
-        self.allow = False
 
     def add_cell(self, code: types.CodeType) -> None:
         for c in _codes(code):
@@ -188,18 +186,46 @@ class Monitor:
             self.hit = f"a copy of {code.co_qualname}"
 
     def audit(self, event: str, args) -> None:
-        if self.exercise is not None and not self.allow and event.startswith(BLOCKED_WHILE_CHECKED):
+        if event in ("sys.setprofile", "sys.settrace"):  # never, or a thread could unwatch itself
+            caller = sys._getframe(1).f_code  # (only this monitor may change the profiler)
+            if caller not in (
+                Monitor.start.__code__,
+                Monitor.stop.__code__,
+                Monitor.enter_thread.__code__,
+            ):
+                raise RuntimeError(f"{event} is not available while a notebook is graded")
+            return
+        if self.exercise is None or event == "sys._getframe":
+            return
+        if event.startswith(BLOCKED_WHILE_CHECKED):
             raise RuntimeError(f"{event} is not allowed while an exercise is being checked")
 
-    def start(self, exercise: str) -> None:
-        self.exercise, self.hit, self.allow = exercise, "", True
+    def enter_thread(self) -> None:
+        """First thing in every thread the submission starts: threads are watched too."""
         sys.setprofile(self.profile)
-        self.allow = False
+
+    def watch_threads(self) -> None:
+        import _thread
+        import threading
+
+        start = _thread.start_new_thread
+
+        def start_new_thread(function, args, kwargs=None):
+            def run(*a, **k):
+                self.enter_thread()
+                return function(*a, **k)
+
+            return start(run, args, kwargs or {})
+
+        _thread.start_new_thread = threading._start_new_thread = start_new_thread
+
+    def start(self, exercise: str) -> None:
+        self.exercise, self.hit = exercise, ""
+        sys.setprofile(self.profile)
 
     def stop(self) -> str:
-        self.allow = True
         sys.setprofile(None)
-        self.exercise, self.allow = None, False
+        self.exercise = None
         return self.hit
 
 
@@ -437,10 +463,6 @@ def _describe(e: BaseException, filename: str) -> str:
 def _helpers_alive() -> str:
     """Threads or processes the submission started that still run (they would escape the
     monitor while an exercise is checked)."""
-    import _thread
-
-    if _thread._count() > 0:
-        return f"{_thread._count()} thread(s)"
     me, uid = os.getpid(), os.getuid()
     if not _DROPPED:
         return ""
@@ -610,6 +632,7 @@ def _worker_main(job: dict, sock: socket.socket, output: int, snapshot: Snapshot
     worker = Worker(sock, snapshot)
     course.check = checking.check = worker.check
     course.use = checking.use = worker.use
+    worker.monitor.watch_threads()
     sys.addaudithook(worker.monitor.audit)
     try:
         protocol.send(sock, {"ready": True})
