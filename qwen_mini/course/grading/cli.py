@@ -16,13 +16,17 @@ say `unreadable`); 1 when the grader cannot run at all; 2 for a usage error.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
+import select
 import sys
 import tempfile
 from pathlib import Path
 
 from ..notebooks import NotebookError
 from .plan import ROOT, GraderError, display_name, load_reference, read_submission
-from .report import csv_text, number, report_name, write_atomic, write_report
+from .report import Grades, csv_text, number, report_name, write_atomic, write_report
 from .sandbox import Zygote
 from .session import Options, grade_notebook
 
@@ -78,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=ROOT / "solutions",
         help="folder of reference notebooks (the repository's solutions/)",
     )
+    p.add_argument(
+        "--jobs", type=int, default=1, help="notebooks graded at once, one core each (1)"
+    )
     p.add_argument("files", nargs="+", type=Path, help="submitted notebooks or folders of them")
     return p
 
@@ -103,10 +110,28 @@ def _grade_all(options) -> int:
     files, empty = submissions(options.files)
     reports = options.reports or options.out.with_name(options.out.stem + "-reports")
     settings = Options(timeout=options.timeout, budget=options.budget, memory_mb=options.memory_mb)
-    all_grades, used, unreadable = [], set(), bool(empty)
+    done: dict[int, Grades] = {}
+    used: set[str] = set()
+    unreadable = bool(empty)
     for folder in empty:
         _say(f"{display_name(folder)}: no notebooks found in this folder")
-    write_atomic(options.out, csv_text(ref.ids, all_grades))
+    write_atomic(options.out, csv_text(ref.ids, []))
+    for index, grades, error in _graded(files, ref, settings, max(1, options.jobs)):
+        unreadable |= bool(error)
+        done[index] = grades
+        rows = [done[i] for i in sorted(done)]  # in the order given; a killed run keeps these
+        write_atomic(options.out, csv_text(ref.ids, rows))
+        write_report(reports, report_name(grades.notebook, used), grades, options.chapter)
+        note = f" — {grades.error}" if grades.error else ""
+        warn = f" ({len(grades.warnings)} warnings)" if grades.warnings else ""
+        _say(f"{grades.notebook}: {number(grades.total)}/{number(grades.max_total)}{warn}{note}")
+    _say(f"wrote {display_name(options.out)} and reports in {display_name(reports)}")
+    return UNREADABLE if unreadable else 0
+
+
+def _grade_share(files, indices, ref, settings):
+    """Grade files[i] for i in `indices` with a zygote of this process's own; yield
+    (index, grades, read error)."""
     with tempfile.TemporaryDirectory(prefix="qwen-mini-grader-") as tmp:
         zygote = Zygote(ref.chapter, Path(tmp))
         try:
@@ -114,19 +139,64 @@ def _grade_all(options) -> int:
                 raise GraderError(
                     f"the sandbox sees exercises {zygote.exercises}, the grader {ref.ids}"
                 )
-            for path in files:
-                sub = read_submission(path, ref.chapter)
-                grades = grade_notebook(sub, ref, zygote, settings)
-                unreadable |= bool(sub.error)
-                all_grades.append(grades)
-                write_atomic(options.out, csv_text(ref.ids, all_grades))  # a killed run keeps these
-                write_report(reports, report_name(grades.notebook, used), grades, options.chapter)
-                note = f" — {grades.error}" if grades.error else ""
-                warn = f" ({len(grades.warnings)} warnings)" if grades.warnings else ""
-                _say(
-                    f"{grades.notebook}: {number(grades.total)}/{number(grades.max_total)}{warn}{note}"
-                )
+            for i in indices:
+                sub = read_submission(files[i], ref.chapter)
+                yield i, grade_notebook(sub, ref, zygote, settings), sub.error
         finally:
             zygote.close()
-    _say(f"wrote {display_name(options.out)} and reports in {display_name(reports)}")
-    return UNREADABLE if unreadable else 0
+
+
+def _graded(files, ref, settings, jobs: int):
+    """(index, grades, read error) as notebooks are graded: here, or with `jobs` > 1 in that
+    many forked grading processes, each with its own sandbox, sending results back as JSON."""
+    if jobs == 1 or len(files) < 2:
+        yield from _grade_share(files, range(len(files)), ref, settings)
+        return
+    import torch
+
+    drivers = {}
+    for k in range(min(jobs, len(files))):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # a grading process: its share of the files, one JSON line per notebook
+            os.close(r)
+            code = 0
+            try:
+                torch.set_num_threads(1)
+                with os.fdopen(w, "w", encoding="utf-8") as out:
+                    for i, grades, error in _grade_share(
+                        files, range(k, len(files), jobs), ref, settings
+                    ):
+                        out.write(json.dumps({"i": i, "g": vars(grades), "e": error}) + "\n")
+                        out.flush()
+            except BaseException as e:
+                code = 1
+                with contextlib.suppress(OSError):
+                    os.write(w, (json.dumps({"fatal": f"{type(e).__name__}: {e}"}) + "\n").encode())
+            finally:
+                os._exit(code)
+        os.close(w)
+        drivers[r] = (pid, set(range(k, len(files), jobs)), b"")
+    while drivers:
+        for fd in select.select(list(drivers), [], [])[0]:
+            pid, left, pending = drivers[fd]
+            data = os.read(fd, 1 << 20)
+            *lines, pending = (pending + data).split(b"\n")
+            for line in lines:
+                item = json.loads(line)
+                if "fatal" in item:
+                    raise GraderError(f"a grading process failed: {item['fatal']}")
+                left.discard(item["i"])
+                grades = Grades(item["g"]["notebook"], item["g"]["points"])
+                vars(grades).update(item["g"])
+                yield item["i"], grades, item["e"]
+            drivers[fd] = (pid, left, pending)
+            if not data:
+                os.close(fd)
+                del drivers[fd]
+                os.waitpid(pid, 0)
+                for i in sorted(left):  # the grading process died: these were not graded
+                    grades = Grades(display_name(files[i]), {e.id: e.points for e in ref.exercises})
+                    for x in ref.ids:
+                        grades.set(x, "crashed", "the grading process for this notebook died")
+                    yield i, grades, ""
