@@ -49,7 +49,9 @@ MEAN_SQUARE = (
 REF = "from qwen_mini.course.checking import reference\n\n_ref = reference('ch98.add_one')\n"
 IS_SOCK = (
     "import os\nimport stat\n\n\ndef _is_sock(fd):\n    try:\n"
-    "        return stat.S_ISSOCK(os.fstat(fd).st_mode)\n    except OSError:\n        return False\n"
+    "        return stat.S_ISSOCK(os.fstat(fd).st_mode)\n"
+    "    except OSError:\n"
+    "        return False\n"
 )
 FORGED = (
     IS_SOCK + "\n\nimport json\nimport struct\n\n"
@@ -61,15 +63,13 @@ FORGED = (
     "            data = json.dumps(body).encode()\n"
     "            os.write(fd, struct.pack('>I', len(data)) + data)\n"
 )
-LINGER = (
-    "import os\nimport subprocess\nimport sys\n\n"
-    f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', '{MARKER}'],"
-    " start_new_session=True)\n"
-    "if os.fork() == 0:  # a double fork into a new session\n"
+LINGER = (  # processes that try to outlive the grading: detached, in new sessions
+    "import os\nimport subprocess\nimport time\n\n"
+    f"subprocess.Popen(['/bin/sh', '-c', 'sleep 600; :', '{MARKER}'], start_new_session=True)\n"
+    "if os.fork() == 0:  # a double fork into a new session, sleeping\n"
     "    os.setsid()\n"
     "    if os.fork() == 0:\n"
-    f"        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(600)',"
-    f" '{MARKER}'])\n"
+    "        time.sleep(600)\n"
     "    os._exit(0)\n"
 )
 PLANT = (  # files where a later interpreter might import them
@@ -84,15 +84,25 @@ PLANT = (  # files where a later interpreter might import them
     "            pass\n"
     "print('CWD=' + os.getcwd())\n"
 )
-OVERWRITE_CSV = (  # a process that rewrites any grades.csv it can reach, for a minute
-    "import subprocess\nimport sys\n\n"
-    "code = '''\nimport glob, os, time\nend = time.time() + 60\nwhile time.time() < end:\n"
-    "    for cmd in glob.glob('/proc/*/cmdline'):\n        try:\n"
-    "            args = open(cmd, 'rb').read().split(b'\\\\0')\n"
-    "            out = args[args.index(b'--out') + 1].decode()\n"
-    "            open(out, 'w').write('notebook,total\\\\nhacked,999\\\\n')\n"
-    "        except Exception:\n            pass\n    time.sleep(0.05)\n'''\n"
-    f"subprocess.Popen([sys.executable, '-c', code, '{MARKER}'], start_new_session=True)\n"
+OVERWRITE_CSV = (  # a detached process that rewrites any --out file it can find, for a minute
+    "import glob\nimport os\nimport time\n\n"
+    "if os.fork() == 0:\n"
+    "    os.setsid()\n"
+    "    end = time.time() + 60\n"
+    "    while time.time() < end:\n"
+    "        for cmd in ['@OUT@', *glob.glob('/proc/*/cmdline')]:  # told where it is, or not\n"
+    "            try:\n"
+    "                args = [b'--out', cmd.encode()] if cmd == '@OUT@' else"
+    " open(cmd, 'rb').read().split(b'\\0')\n"
+    "                out = args[args.index(b'--out') + 1].decode()\n"
+    "                open(out, 'w').write('notebook,total\\nhacked,999\\n')\n"
+    "            except Exception:\n"
+    "                pass\n"
+    "        time.sleep(0.05)\n"
+)
+HELPER = (  # a process started in a cell that would compute answers while the checks run
+    "import subprocess\n\n"
+    f"helper = subprocess.Popen(['/bin/sh', '-c', 'sleep 600; :', '{MARKER}'])\n"
 )
 
 # name: (base notebook, {cell id: new source, None to delete it, a list for several cells})
@@ -124,7 +134,8 @@ SUBMISSIONS = {
     "s1_writes_repository": (
         "solution",
         {
-            "add-one": f"for p in ['{ROOT}/solutions/pwned_{MARKER}.py', '{ROOT}/qwen_mini/pwned_{MARKER}.py']:\n"
+            "add-one": f"for p in ['{ROOT}/solutions/pwned_{MARKER}.py', '{ROOT}/qwen_mini/pwne"
+            f"d_{MARKER}.py']:\n"
             "    try:\n        open(p, 'w').write('x = 1')\n    except OSError:\n        pass\n\n"
             + ADD_ONE
         },
@@ -134,7 +145,12 @@ SUBMISSIONS = {
         "solution",
         {
             "add-one": IS_SOCK
-            + "\nfor fd in [fd for fd in range(3, 64) if _is_sock(fd)]:\n    os.write(fd, b'\\x00\\x00\\x00\\x05hello')\n\n"
+            + (
+                "\n"
+                "for fd in [fd for fd in range(3, 64) if _is_sock(fd)]:\n"
+                "    os.write(fd, b'\\x00\\x00\\x00\\x05hello')\n"
+                "\n"
+            )
             + ADD_ONE
         },
     ),
@@ -168,7 +184,14 @@ SUBMISSIONS = {
         "solution",
         {
             "add-one": ADD_ONE
-            + "\nimport os\n\nos.write(1, b'y' * 3_000_000)\nfor _ in range(50_000):\n    print('x' * 50)"
+            + (
+                "\n"
+                "import os\n"
+                "\n"
+                "os.write(1, b'y' * 3_000_000)\n"
+                "for _ in range(50_000):\n"
+                "    print('x' * 50)"
+            )
         },
     ),
     "s2_sys_exit": ("solution", {"mean-square": "import sys\n\nsys.exit(3)\n" + MEAN_SQUARE}),
@@ -199,28 +222,74 @@ SUBMISSIONS = {
         "solution",
         {
             "add-one": 'def plus_one(x):\n    return x + 1\n\n\ncheck("ch98.add_one", plus_one)',
-            "add-two": 'def add_two(x):\n    return plus_one(plus_one(x))\n\n\ncheck("ch98.add_two", add_two)',
+            "add-two": (
+                "def add_two(x):\n"
+                "    return plus_one(plus_one(x))\n"
+                "\n"
+                "\n"
+                'check("ch98.add_two", add_two)'
+            ),
         },
     ),
     "s3_qualified": (
         "solution",
         {
-            "add-one": 'import qwen_mini.course as course\n\n\ndef add_one(x):\n    return x + 1\n\n\ncourse.check("ch98.add_one", add_one)',
-            "scale": "from qwen_mini.course import checking\n\n\nclass Scale:\n    def __init__(self, f):\n        self.f = f\n\n    def __call__(self, x):\n        return x * self.f\n\n\nchecking.check('ch98.Scale', Scale)",
+            "add-one": (
+                "import qwen_mini.course as course\n"
+                "\n"
+                "\n"
+                "def add_one(x):\n"
+                "    return x + 1\n"
+                "\n"
+                "\n"
+                'course.check("ch98.add_one", add_one)'
+            ),
+            "scale": (
+                "from qwen_mini.course import checking\n"
+                "\n"
+                "\n"
+                "class Scale:\n"
+                "    def __init__(self, f):\n"
+                "        self.f = f\n"
+                "\n"
+                "    def __call__(self, x):\n"
+                "        return x * self.f\n"
+                "\n"
+                "\n"
+                "checking.check('ch98.Scale', Scale)"
+            ),
         },
     ),
     "s3_no_check_call": ("solution", {"mean-square": MEAN_SQUARE.split("\n\n\ncheck")[0]}),
     "s3_torch_compile": (
         "solution",
         {
-            "add-one": "import torch._dynamo\n\nf = torch.compile(lambda t: t * 2, backend='eager')\nprint(f(torch.ones(2)))\n"
+            "add-one": (
+                "import torch._dynamo\n"
+                "\n"
+                "f = torch.compile(lambda t: t * 2, backend='eager')\n"
+                "print(f(torch.ones(2)))\n"
+            )
             + ADD_ONE
         },
     ),
     "s3_magics": (
         "solution",
         {
-            "scale": "%%time\n%matplotlib inline\n!echo hello\nclass Scale:\n    def __init__(self, f):\n        self.f = f\n\n    def __call__(self, x):\n        return x * self.f\n\n\ncheck('ch98.Scale', Scale)"
+            "scale": (
+                "%%time\n"
+                "%matplotlib inline\n"
+                "!echo hello\n"
+                "class Scale:\n"
+                "    def __init__(self, f):\n"
+                "        self.f = f\n"
+                "\n"
+                "    def __call__(self, x):\n"
+                "        return x * self.f\n"
+                "\n"
+                "\n"
+                "check('ch98.Scale', Scale)"
+            )
         },
     ),
     "s3_fallback_after_timeout": ("solution", {"add-one": "while True:\n    pass\n" + ADD_ONE}),
@@ -244,99 +313,255 @@ SUBMISSIONS = {
     "s4_registry": (
         "blank",
         {
-            "add-one": 'from qwen_mini.course.checking import get\n\nadd_one = get("ch98.add_one").reference\ncheck("ch98.add_one", add_one)'
+            "add-one": (
+                "from qwen_mini.course.checking import get\n"
+                "\n"
+                'add_one = get("ch98.add_one").reference\n'
+                'check("ch98.add_one", add_one)'
+            )
         },
     ),
     "s4_partial": (
         "blank",
         {
             "add-one": REF
-            + 'import functools\n\nadd_one = functools.partial(_ref)\ncheck("ch98.add_one", add_one)'
+            + (
+                "import functools\n"
+                "\n"
+                "add_one = functools.partial(_ref)\n"
+                'check("ch98.add_one", add_one)'
+            )
         },
     ),
     "s4_subclass": (
         "blank",
         {
-            "scale": 'from qwen_mini.course.checking import reference\n\n\nclass Scale(reference("ch98.Scale")):\n    pass\n\n\ncheck("ch98.Scale", Scale)'
+            "scale": (
+                "from qwen_mini.course.checking import reference\n"
+                "\n"
+                "\n"
+                'class Scale(reference("ch98.Scale")):\n'
+                "    pass\n"
+                "\n"
+                "\n"
+                'check("ch98.Scale", Scale)'
+            )
         },
     ),
     "s4_function_copy": (
         "blank",
         {
             "add-one": REF
-            + 'import types\n\nadd_one = types.FunctionType(_ref.__code__, {})\ncheck("ch98.add_one", add_one)'
+            + (
+                "import types\n"
+                "\n"
+                "add_one = types.FunctionType(_ref.__code__, {})\n"
+                'check("ch98.add_one", add_one)'
+            )
         },
     ),
     "s4_code_replace": (
         "blank",
         {
             "add-one": REF
-            + 'import types\n\nadd_one = types.FunctionType(_ref.__code__.replace(co_name="add_one", co_firstlineno=1), {})\ncheck("ch98.add_one", add_one)'
+            + (
+                "import types\n"
+                "\n"
+                'add_one = types.FunctionType(_ref.__code__.replace(co_name="add_one", '
+                "co_firstlineno=1), {})\n"
+                'check("ch98.add_one", add_one)'
+            )
         },
     ),
     "s4_marshal": (
         "blank",
         {
             "add-one": REF
-            + 'import marshal\nimport types\n\nadd_one = types.FunctionType(marshal.loads(marshal.dumps(_ref.__code__)), {})\ncheck("ch98.add_one", add_one)'
+            + (
+                "import marshal\n"
+                "import types\n"
+                "\n"
+                "add_one = types.FunctionType(marshal.loads(marshal.dumps(_ref.__code__"
+                ")), {})\n"
+                'check("ch98.add_one", add_one)'
+            )
         },
     ),
     "s4_exec_source": (
         "blank",
         {
             "add-one": REF
-            + 'import inspect\n\nexec(inspect.getsource(_ref))\nadd_one = _add_one\ncheck("ch98.add_one", add_one)'
+            + (
+                "import inspect\n"
+                "\n"
+                "exec(inspect.getsource(_ref))\n"
+                "add_one = _add_one\n"
+                'check("ch98.add_one", add_one)'
+            )
         },
     ),
     "s4_thread": (
         "blank",
         {
             "add-one": REF
-            + 'import threading\n\n\ndef add_one(x):\n    out = []\n    t = threading.Thread(target=lambda: out.append(_ref(x)))\n    t.start()\n    t.join()\n    return out[0]\n\n\ncheck("ch98.add_one", add_one)'
+            + (
+                "import threading\n"
+                "\n"
+                "\n"
+                "def add_one(x):\n"
+                "    out = []\n"
+                "    t = threading.Thread(target=lambda: out.append(_ref(x)))\n"
+                "    t.start()\n"
+                "    t.join()\n"
+                "    return out[0]\n"
+                "\n"
+                "\n"
+                'check("ch98.add_one", add_one)'
+            )
         },
     ),
     "s4_background_thread": (
         "blank",
         {
             "add-one": REF
-            + 'import queue\nimport threading\n\njobs, answers = queue.Queue(), queue.Queue()\nthreading.Thread(target=lambda: [answers.put(_ref(jobs.get())) for _ in iter(int, 1)], daemon=True).start()\n\n\ndef add_one(x):\n    jobs.put(x)\n    return answers.get()\n\n\ncheck("ch98.add_one", add_one)'
+            + (
+                "import queue\n"
+                "import threading\n"
+                "\n"
+                "jobs, answers = queue.Queue(), queue.Queue()\n"
+                "threading.Thread(target=lambda: [answers.put(_ref(jobs.get())) for _ i"
+                "n iter(int, 1)], daemon=True).start()\n"
+                "\n"
+                "\n"
+                "def add_one(x):\n"
+                "    jobs.put(x)\n"
+                "    return answers.get()\n"
+                "\n"
+                "\n"
+                'check("ch98.add_one", add_one)'
+            )
         },
     ),
     "s4_unhook": (
         "blank",
         {
             "add-one": REF
-            + 'import sys\n\n\ndef add_one(x):\n    sys.setprofile(None)\n    return _ref(x)\n\n\ncheck("ch98.add_one", add_one)'
+            + (
+                "import sys\n"
+                "\n"
+                "\n"
+                "def add_one(x):\n"
+                "    sys.setprofile(None)\n"
+                "    return _ref(x)\n"
+                "\n"
+                "\n"
+                'check("ch98.add_one", add_one)'
+            )
         },
     ),
     "s4_always_equal": (
         "blank",
         {
-            "mean-square": "class Yes:\n    def __eq__(self, other):\n        return True\n\n    def __bool__(self):\n        return True\n\n    def tolist(self):\n        return self\n\n    def __getattr__(self, name):\n        return self\n\n    def __call__(self, *a, **k):\n        return self\n\n\ndef mean_square(x, dim=-1):\n    return Yes()\n\n\ncheck('ch98.mean_square', mean_square)"
+            "mean-square": (
+                "class Yes:\n"
+                "    def __eq__(self, other):\n"
+                "        return True\n"
+                "\n"
+                "    def __bool__(self):\n"
+                "        return True\n"
+                "\n"
+                "    def tolist(self):\n"
+                "        return self\n"
+                "\n"
+                "    def __getattr__(self, name):\n"
+                "        return self\n"
+                "\n"
+                "    def __call__(self, *a, **k):\n"
+                "        return self\n"
+                "\n"
+                "\n"
+                "def mean_square(x, dim=-1):\n"
+                "    return Yes()\n"
+                "\n"
+                "\n"
+                "check('ch98.mean_square', mean_square)"
+            )
         },
     ),
     "s4_tensor_subclass": (
         "blank",
         {
-            "mean-square": "import torch\n\n\nclass Agree(torch.Tensor):\n    @classmethod\n    def __torch_function__(cls, func, types, args=(), kwargs=None):\n        return torch.tensor(True)\n\n\ndef mean_square(x, dim=-1):\n    return torch.zeros(x.shape[0]).as_subclass(Agree)\n\n\ncheck('ch98.mean_square', mean_square)"
+            "mean-square": (
+                "import torch\n"
+                "\n"
+                "\n"
+                "class Agree(torch.Tensor):\n"
+                "    @classmethod\n"
+                "    def __torch_function__(cls, func, types, args=(), kwargs=None):\n"
+                "        return torch.tensor(True)\n"
+                "\n"
+                "\n"
+                "def mean_square(x, dim=-1):\n"
+                "    return torch.zeros(x.shape[0]).as_subclass(Agree)\n"
+                "\n"
+                "\n"
+                "check('ch98.mean_square', mean_square)"
+            )
+        },
+    ),
+    "s4_helper_process": (
+        "blank",
+        {
+            "setup": ["import torch\n\nfrom qwen_mini.course import check, use", HELPER],
+            "add-one": REF
+            + "\n\ndef add_one(x):\n    return _ref(x)\n\n\ncheck('ch98.add_one', add_one)",
         },
     ),
     "s4_patches_torch": (
         "blank",
         {
-            "setup": "import torch\n\nfrom qwen_mini.course import check, use\n\ntorch.allclose = lambda *a, **k: True\ntorch.isclose = lambda a, b, **k: torch.ones_like(a, dtype=torch.bool)\ntorch.Tensor.__eq__ = lambda *a: True"
+            "setup": (
+                "import torch\n"
+                "\n"
+                "from qwen_mini.course import check, use\n"
+                "\n"
+                "torch.allclose = lambda *a, **k: True\n"
+                "torch.isclose = lambda a, b, **k: torch.ones_like(a, dtype=torch.bool)"
+                "\n"
+                "torch.Tensor.__eq__ = lambda *a: True"
+            )
         },
     ),
     "s4_patches_while_checked": (
         "blank",
         {
-            "add-one": "import torch\n\n\ndef add_one(x):\n    torch.isclose = lambda a, b, **k: torch.ones_like(a, dtype=torch.bool)\n    return x\n\n\ncheck('ch98.add_one', add_one)"
+            "add-one": (
+                "import torch\n"
+                "\n"
+                "\n"
+                "def add_one(x):\n"
+                "    torch.isclose = lambda a, b, **k: torch.ones_like(a, dtype=torch.b"
+                "ool)\n"
+                "    return x\n"
+                "\n"
+                "\n"
+                "check('ch98.add_one', add_one)"
+            )
         },
     ),
     "s4_patches_checks": (
         "blank",
         {
-            "setup": "import torch\n\nfrom qwen_mini.course import check, use\nfrom qwen_mini.course import checking\n\nfor e in list(checking._EXERCISES.values()):\n    e.public.clear()\n    e.hidden.clear()"
+            "setup": (
+                "import torch\n"
+                "\n"
+                "from qwen_mini.course import check, use\n"
+                "from qwen_mini.course import checking\n"
+                "\n"
+                "for e in list(checking._EXERCISES.values()):\n"
+                "    e.public.clear()\n"
+                "    e.hidden.clear()"
+            )
         },
     ),
     "s4_forges_results": ("blank", {"add-one": FORGED + "\n" + ADD_ONE.replace("x + 1", "x")}),
@@ -399,8 +624,10 @@ def graded(tmp_path_factory):
     for name in ("a_first", "solution", "z_last"):
         (folder / f"{name}.ipynb").write_text(nbs.dumps(solution))
     (folder / "blank.ipynb").write_text(nbs.dumps(blank))
+    out = folder / "out" / "grades.csv"
     for name, (base, changes) in SUBMISSIONS.items():
-        (folder / f"{name}.ipynb").write_text(nbs.dumps(_notebook(bases[base], changes)))
+        text = nbs.dumps(_notebook(bases[base], changes)).replace("@OUT@", str(out))
+        (folder / f"{name}.ipynb").write_text(text)
     # inputs the grader must survive reading
     (folder / "s2_not_json.ipynb").write_text("this is not JSON {")
     (folder / "s2_not_utf8.ipynb").write_bytes(b'{"cells": ["\xff\xfe"]}')
@@ -409,7 +636,6 @@ def graded(tmp_path_factory):
     odd["cells"] += [{"cell_type": None}, {"cell_type": "code", "source": ["x = 1\n", 3]}]
     (folder / "s2_odd_cells.ipynb").write_text(json.dumps(odd))
     (folder / os.fsdecode(b"s2_caf\xe9_latin1_name.ipynb")).write_text(nbs.dumps(solution))
-    out = folder / "out" / "grades.csv"
     started = time.monotonic()
     code = _run(folder, out, ["--jobs", "2", str(folder)])  # two grading processes at once
     seconds = time.monotonic() - started
@@ -480,7 +706,9 @@ def test_no_process_of_a_submission_outlives_its_grading(graded):
         except OSError:
             pass
     assert survivors == []
-    assert rows["s1_lingers"]["total"] == "5"
+    if ROOTED:  # and no process of any submission's user id (see sandbox.Connection)
+        uids = [p.stat().st_uid for p in Path("/proc").glob("[0-9]*")]
+        assert not [u for u in uids if 2_000_000_000 <= u < 2_100_000_000]
 
 
 def test_the_csv_is_the_graders(graded):
@@ -687,6 +915,7 @@ def test_the_package_reference_scores_zero_with_status_reference(graded, name, e
     [
         "s4_thread",
         "s4_background_thread",
+        "s4_helper_process",
         "s4_unhook",
         "s4_always_equal",
         "s4_tensor_subclass",

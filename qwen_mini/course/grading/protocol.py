@@ -265,7 +265,8 @@ class Codec:
             return Ellipsis
         if t == "bad":
             raise WrongType(
-                f"your code returned {_short(v, 200)}; return plain data (a torch.Tensor, numbers, lists)"
+                f"your code returned {_short(v, 200)}; "
+                "return plain data (a torch.Tensor, numbers, lists)"
             )
         if t == "ref":
             h, side = value.get("h"), value.get("side")
