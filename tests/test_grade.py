@@ -36,7 +36,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 SOLUTION = FIXTURES / "solutions" / "ch98_grading.ipynb"
 IDS = ["ch98.add_one", "ch98.add_two", "ch98.mean_square", "ch98.Scale"]
 FULL = ["1", "1", "2", "1"]
-TIMEOUT, BUDGET = 3, 15  # seconds per cell / exercise, and per notebook
+TIMEOUT, BUDGET = 6, 15  # seconds per cell / exercise, and per notebook
 ROOTED = os.geteuid() == 0  # learner code runs as a user of its own only when the grader is root
 MARKER = f"qwen-mini-redteam-{os.getpid()}"  # in the command line of processes submissions start
 
@@ -83,6 +83,7 @@ PLANT = (  # files where a later interpreter might import them
     "        except OSError:\n"
     "            pass\n"
     "print('CWD=' + os.getcwd())\n"
+    "print('UID=' + str(os.getuid()))\n"
 )
 OVERWRITE_CSV = (  # a detached process that rewrites any --out file it can find, for a minute
     "import glob\nimport os\nimport time\n\n"
@@ -694,6 +695,18 @@ def test_each_submission_runs_in_a_fresh_folder_outside_the_repository(graded):
     for cwd in cwds:
         assert ROOT not in cwd.parents and folder not in cwd.parents
         assert not cwd.exists()  # removed once graded
+
+
+def test_learner_code_runs_as_an_unprivileged_user_of_its_own(graded):
+    _, _, reports, _, _ = graded
+    uids = []
+    for name in ("s1_plants_modules", "s1_plants_too"):
+        line = next(x for x in reports[name]["process_output"].splitlines() if x.startswith("UID="))
+        uids.append(int(line[4:]))
+    if ROOTED:
+        assert 0 not in uids and uids[0] != uids[1]
+    else:  # an ordinary user cannot switch users: the submission runs as the grader (README)
+        assert uids == [os.getuid()] * 2
 
 
 def test_no_process_of_a_submission_outlives_its_grading(graded):

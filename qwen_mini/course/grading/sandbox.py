@@ -256,9 +256,12 @@ class Connection:
             theirs.close()
         self.closed = False
         self.ended: dict = {}
-        ready = self._next_message()
-        if ready.get("ready") is not True:
-            raise BadMessage("the worker did not start")
+        try:
+            if self._next_message().get("ready") is not True:
+                raise BadMessage("the worker did not start")
+        except WorkerFault:
+            self.close()  # the zygote ends it and waits for the next submission
+            raise
 
     def _copy_in(self, path: str) -> str:
         """A check passes a file of its own (a safetensors file it wrote): the worker, another

@@ -50,8 +50,7 @@ class Session:
 
     def _connect(self) -> Connection:
         if self.conn is None:
-            conn = Connection(self.zygote, self.options.memory_mb, self._use)
-            self.conn = conn
+            conn = self.conn = Connection(self.zygote, self.options.memory_mb, self._use)
             try:
                 for entry in self.log:  # the state before the failure, without the bad cell
                     conn.deadline = self._deadline()
