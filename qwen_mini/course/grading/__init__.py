@@ -5,7 +5,9 @@ Split by concern:
 - `plan.py`: the reference notebook and a submission into what to run (every code cell);
 - `protocol.py`: the channel between grader and sandbox: framed messages, plain-data values;
 - `worker.py`: the sandbox side: a zygote that forks one worker per submission, which runs the
-  learner's cells and answers the grader's requests;
+  learner's cells and answers the grader's requests, with its limits and its user id;
+- `monitor.py`: inside the sandbox, tamper and reference detection (which code runs while an
+  exercise is checked);
 - `sandbox.py`: the grader's side of it: starting workers, stand-ins for learner objects;
 - `session.py`: grading one notebook (the checks run here, in the grader);
 - `report.py`: statuses, points, the CSV and the JSON reports;
