@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["grade"]:  # grading has its own parser: hand it everything after "grade"
-        from .course.grade import cli as grade_cli
+        from .course.grading.cli import main as grade_cli
 
         return grade_cli(argv[1:])
     try:
