@@ -47,6 +47,11 @@ CHEATS = {
         "import qwen_mini.attention\n\n\nclass Attention(qwen_mini.attention.Attention):\n"
         '    pass\n\n\ncheck("ch01.Attention", Attention)',
     ),
+    4: (
+        "c4000011",
+        "ch04.render_turn",
+        'from qwen_mini.chat import render_turn\n\ncheck("ch04.render_turn", render_turn)',
+    ),
 }
 
 

@@ -29,10 +29,14 @@ def test_plain_values_cross_as_themselves():
         "d": torch.bfloat16,
         "s": torch.Size([2, 3]),
         "n": float("inf"),
+        "set": {1, 2, "three"},
+        "frozen": frozenset({(1, 2)}),
     }
     got = grader.decode(worker.encode(value))
     assert got["a"] == value["a"] and got["d"] is torch.bfloat16 and got["s"] == torch.Size([2, 3])
     assert got["n"] == float("inf")
+    assert type(got["set"]) is set and got["set"] == value["set"]
+    assert type(got["frozen"]) is frozenset and got["frozen"] == value["frozen"]
     for g, v in zip(got["t"], value["t"], strict=True):
         assert type(g) is torch.Tensor and g.dtype == v.dtype and g.shape == v.shape
         assert torch.equal(g.nan_to_num(7), v.nan_to_num(7))

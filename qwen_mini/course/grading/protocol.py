@@ -4,7 +4,7 @@ A frame is a 4-byte big-endian length and that many bytes of JSON (ASCII: lone s
 learner text travel escaped). Values cross as plain data of exact types only:
 
     None, bool, int, float, str            as themselves (the exact built-in types)
-    list, tuple, dict                      {"t": "list" | "tuple" | "dict", "v": ...}
+    list, tuple, set, frozenset, dict      {"t": "list" | "tuple" | "set" | ..., "v": ...}
     torch.Tensor (or nn.Parameter)         {"t": "tensor", "dtype", "shape", "data" (base64), ...}
     torch.dtype / device / Size, slice     {"t": "dtype" | "device" | "size" | "slice", "v": ...}
     a dataclass of the package, a SimpleNamespace (grader -> worker only) {"t": "obj" | "ns"}
@@ -149,7 +149,7 @@ class Codec:
                 if value == value and abs(value) != float("inf")
                 else {"t": "float", "v": repr(value)}
             )
-        if t in (list, tuple):
+        if t in (list, tuple, set, frozenset):
             return {"t": t.__name__, "v": [self.encode(x, depth + 1) for x in value]}
         if t is dict or t is collections.OrderedDict:
             return {
@@ -228,9 +228,14 @@ class Codec:
         if type(value) is not dict or type(value.get("t")) is not str:
             raise ProtocolError(f"not a value: {_short(value)}")
         t, v = value["t"], value.get("v")
-        if t in ("list", "tuple"):
+        if t in ("list", "tuple", "set", "frozenset"):
             _need(type(v) is list, value)
             items = [self.decode(x, depth + 1) for x in v]
+            if t in ("set", "frozenset"):
+                try:
+                    return set(items) if t == "set" else frozenset(items)
+                except TypeError:
+                    raise ProtocolError("an unhashable set element") from None
             return items if t == "list" else tuple(items)
         if t == "dict":
             _need(type(v) is list and all(type(p) is list and len(p) == 2 for p in v), value)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..checking import CHECKS
 from . import protocol
 from .plan import ROOT, GraderError
 from .protocol import Codec, ProtocolError
@@ -135,26 +136,41 @@ class Zygote:
             self.proc.wait()
 
 
+def _from_checks(module: str) -> bool:
+    """Defined in a chapter's check module (or a test fixture's): a fake model or a callback that
+    a check hands to the learner's code on purpose."""
+    return module.startswith((CHECKS + ".", "qwen_mini_extra_exercises."))
+
+
 def _exportable(obj) -> bool:
     """What the grader lets a worker hold a handle to: objects of the package's classes (a
-    reference KV cache), torch modules (an embedding a check passes in), and bound methods of the
-    package's own non-module classes. Never modules, plain functions or the grader itself."""
+    reference KV cache), torch modules (an embedding a check passes in), bound methods of the
+    package's own non-module classes, and the functions and objects a check module defines to
+    be called by the learner's code (which can call them with plain data only). Never modules,
+    other plain functions or the grader itself."""
     if isinstance(obj, types.MethodType):
         return _method_allowed(obj)
+    if isinstance(obj, types.FunctionType):
+        return _from_checks(getattr(obj, "__module__", "") or "")
     module = getattr(type(obj), "__module__", "") or ""
     if isinstance(obj, torch.nn.Module):
-        return not module.startswith("qwen_mini.course")
+        return not module.startswith("qwen_mini.course") or _from_checks(module)
+    if _from_checks(module):
+        return True
     return module.split(".")[0] == "qwen_mini" and not module.startswith("qwen_mini.course")
 
 
 def _method_allowed(method: types.MethodType) -> bool:
     """A method the learner's code may call on an object of the grader's: one the package
-    defines on a class that is not a module (`KVCache.update`), or a module's `forward`.
-    Nothing that re-weights or hooks a module the grader computes expected values with."""
+    defines on a class that is not a module (`KVCache.update`), a module's `forward`, or a public
+    method of a check module's own fake. Nothing that re-weights or hooks a module the grader
+    computes expected values with."""
     owner, fn = method.__self__, method.__func__
+    module = getattr(fn, "__module__", "") or ""
+    if _from_checks(getattr(type(owner), "__module__", "") or ""):
+        return _from_checks(module) and not fn.__name__.startswith("_")
     if isinstance(owner, torch.nn.Module):
         return fn.__name__ == "forward"
-    module = getattr(fn, "__module__", "") or ""
     return module.split(".")[0] == "qwen_mini" and not module.startswith("qwen_mini.course")
 
 
