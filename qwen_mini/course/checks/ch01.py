@@ -12,8 +12,11 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from qwen_mini import attention as ref
+from qwen_mini import decoder as dec
+from qwen_mini.checkpoint import meta_model
 from qwen_mini.config import Config
 from qwen_mini.course.checking import (
     expect_close,
@@ -24,7 +27,8 @@ from qwen_mini.course.checking import (
     register,
     seeded,
 )
-from qwen_mini.foundations import apply_rope, rope_cos_sin
+from qwen_mini.foundations import RMSNorm, apply_rope, rope_cos_sin
+from qwen_mini.model import CausalLM
 
 register(
     "ch01.causal_mask",
@@ -615,3 +619,534 @@ def _(regroup_kv_heads):
         atol=1e-6,
         rtol=1e-6,
     )
+
+
+# --- the model around attention (qwen_mini/decoder.py) ------------------------------------------
+
+register(
+    "ch01.DecoderLayer",
+    reference=dec.DecoderLayer,
+    points=2,
+    title="Pre-norm decoder layer: two residual branches, parts under checkpoint names",
+)
+register(
+    "ch01.model_forward",
+    reference=dec.model_forward,
+    points=2,
+    title="The model's forward pass: embedding, positions after the cache, layers, norm, head",
+)
+register(
+    "ch01.load_weights",
+    reference=dec.load_weights,
+    points=2,
+    title="Loading: checkpoint key for every parameter, the tied head",
+)
+register(
+    "ch01.decode",
+    reference=dec.decode,
+    points=2,
+    title="Generation loop with the KV cache: prefill once, then one token at a time",
+)
+
+
+class _Recorder(nn.Module):
+    """A stand-in block: `proj(x)` (a Linear), recording what it was called with."""
+
+    def __init__(self, dim: int, seed: int, mixer: bool):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim, bias=False)
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.randn(dim, dim, generator=seeded(seed)) * 0.5)
+        self.mixer, self.calls = mixer, []
+
+    def forward(self, x, *args):
+        self.calls.append((x.detach().clone(), args))
+        return self.proj(x)
+
+
+def _norm(dim: int, seed: int) -> RMSNorm:
+    norm = RMSNorm(dim)
+    with torch.no_grad():
+        norm.weight.copy_(1 + torch.rand(dim, generator=seeded(seed)))
+    return norm
+
+
+def _layer_parts(dim, seed):
+    return (
+        _Recorder(dim, seed, True),
+        _Recorder(dim, seed + 1, False),
+        _norm(dim, seed + 2),
+        _norm(dim, seed + 3),
+    )
+
+
+def _close(a, b) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def _check_layer(DecoderLayer, mixer_name, B, T, dim, seed):
+    mixer, mlp, n1, n2 = _layer_parts(dim, seed)
+    layer = DecoderLayer(mixer_name, mixer, mlp, n1, n2)
+    x = randn(B, T, dim, seed=seed + 4)
+    cos, sin, cache = randn(T, 4, seed=seed + 5), randn(T, 4, seed=seed + 6), object()
+    with torch.no_grad():
+        out = layer(x, cos, sin, cache)
+        if len(mixer.calls) != 1:
+            raise AssertionError(f"the mixer ({mixer_name}) ran {len(mixer.calls)} times, not once")
+        seen, args = mixer.calls[0]
+        if not _close(seen, n1(x)):
+            if _close(seen, x):
+                raise AssertionError(
+                    "pre-norm: the mixer reads input_layernorm(x), the normalised stream; "
+                    "you gave it x itself"
+                )
+            if _close(seen, n2(x)):
+                raise AssertionError(
+                    "the mixer reads input_layernorm(x); you normalised with "
+                    "post_attention_layernorm (that one is for the mlp)"
+                )
+            raise AssertionError("the mixer's input differs from input_layernorm(x)")
+        if len(args) < 3 or args[0] is not cos or args[1] is not sin or args[2] is not cache:
+            raise AssertionError(
+                "the mixer must get cos, sin and this layer's cache: mixer(norm(x), cos, sin, "
+                "cache) — without its cache it cannot see the earlier tokens"
+            )
+        h = x + mixer.proj(n1(x))  # the stream after the first residual branch
+        if len(mlp.calls) != 1:
+            raise AssertionError(f"the mlp ran {len(mlp.calls)} times, not once")
+        seen = mlp.calls[0][0]
+        if not _close(seen, n2(h)):
+            if _close(seen, n2(x)):
+                raise AssertionError(
+                    "the mlp must read the stream *after* the mixer's residual addition, "
+                    "post_attention_layernorm(x + mixer(...)); yours reads the layer's input "
+                    "(a parallel block, not Qwen's)"
+                )
+            if _close(seen, h):
+                raise AssertionError("pre-norm: the mlp reads post_attention_layernorm(h), not h")
+            if _close(seen, n1(h)):
+                raise AssertionError(
+                    "the mlp reads post_attention_layernorm(h); you used input_layernorm"
+                )
+            if _close(seen, n2(mixer.proj(n1(x)))):
+                raise AssertionError(
+                    "first residual missing: the stream after the mixer is x + mixer(...), "
+                    "not mixer(...) alone"
+                )
+            raise AssertionError("the mlp's input differs from post_attention_layernorm(x + mixer)")
+        expected = h + mlp.proj(n2(h))
+        if not _close(out, expected):
+            if _close(out, mlp.proj(n2(h))):
+                raise AssertionError("second residual missing: return h + mlp(norm(h))")
+            if _close(out, n2(expected)) or _close(out, n1(expected)):
+                raise AssertionError(
+                    "post-norm: the stream itself is never normalised in a pre-norm layer; "
+                    "only each branch's input is"
+                )
+        expect_close("decoder layer output", out, expected, atol=1e-5, rtol=1e-4)
+
+
+@public("ch01.DecoderLayer")
+def _(DecoderLayer):
+    for name in ("self_attn", "linear_attn"):
+        mixer, mlp, n1, n2 = _layer_parts(8, 40)
+        layer = DecoderLayer(name, mixer, mlp, n1, n2)
+        expect_equal(
+            f"parameter names with mixer_name={name!r} (the checkpoint's names)",
+            sorted(layer.state_dict()),
+            sorted(
+                [f"{name}.proj.weight", "mlp.proj.weight"]
+                + ["input_layernorm.weight", "post_attention_layernorm.weight"]
+            ),
+        )
+        if layer.mixer is not mixer or getattr(layer, name, None) is not mixer:
+            raise AssertionError(f"layer.{name} must be the mixer it was given")
+        if layer.input_layernorm is not n1 or layer.post_attention_layernorm is not n2:
+            raise AssertionError(
+                "input_layernorm and post_attention_layernorm must be the norms given, in that "
+                "order (the first normalises the mixer's input, the second the mlp's)"
+            )
+
+
+@public("ch01.DecoderLayer")
+def _(DecoderLayer):
+    _check_layer(DecoderLayer, "self_attn", 1, 3, 8, 41)
+
+
+@hidden("ch01.DecoderLayer")
+def _(DecoderLayer):
+    _check_layer(DecoderLayer, "linear_attn", 2, 5, 12, 51)
+    _check_layer(DecoderLayer, "self_attn", 3, 1, 6, 61)
+
+
+def _tiny_model(seed, qwen3=True, tied=True, n_heads=4, n_kv=2, layers=2):
+    cfg = _tiny_cfg(qwen3, n_heads=n_heads, n_kv=n_kv)
+    cfg.num_hidden_layers, cfg.tie_word_embeddings = layers, tied
+    cfg.layer_types = ["full_attention"] * layers
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = CausalLM(cfg)
+        with torch.no_grad():  # random norm weights too, so that a skipped norm shows
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.copy_(1 + 0.5 * torch.rand(p.shape, generator=seeded(seed + p.numel())))
+    return model.eval()
+
+
+class _Calls:
+    """Records what each decoder layer, the final norm and the head receive."""
+
+    def __init__(self, model):
+        self.layers, self.norm, self.head, self.hooks = [], [], [], []
+        for i, layer in enumerate(model.model.layers):
+            self.hooks.append(layer.register_forward_pre_hook(self._layer(i), with_kwargs=True))
+        self.hooks.append(model.model.norm.register_forward_pre_hook(self._into(self.norm)))
+        self.hooks.append(model.lm_head.register_forward_pre_hook(self._into(self.head)))
+
+    def _layer(self, i):
+        def hook(module, args, kwargs):
+            names = ("x", "cos", "sin", "cache")
+            call = dict(zip(names, args, strict=False)) | kwargs
+            self.layers.append((i, call))
+
+        return hook
+
+    def _into(self, where):
+        def hook(module, args):
+            where.append(args[0].detach().clone())
+
+        return hook
+
+    def remove(self):
+        for h in self.hooks:
+            h.remove()
+
+
+def _run_forward(model_forward, model, ids, cache=None, last_only=False):
+    calls = _Calls(model)
+    try:
+        with torch.no_grad():
+            out = model_forward(model, ids, cache, last_only)
+    finally:
+        calls.remove()
+    return out, calls
+
+
+def _check_positions(calls, model, start, T):
+    cfg = model.config
+    if not calls.layers:
+        raise AssertionError("no decoder layer was called")
+    order = [i for i, _ in calls.layers]
+    expect_equal("the layers called, in order (each once)", order, list(range(len(order))))
+    expect_equal("number of layers called", len(order), cfg.num_hidden_layers)
+    cos, sin = rope_cos_sin(torch.arange(start, start + T), cfg.rotary_dim, cfg.rope_theta)
+    got = calls.layers[0][1].get("cos")
+    if got is None or tuple(got.shape) != tuple(cos.shape):
+        raise AssertionError(
+            f"the layers get the RoPE angles of the new tokens: cos of shape {tuple(cos.shape)}"
+        )
+    if not _close(got, cos):
+        for wrong in range(0, start + T + 1):
+            w, _ = rope_cos_sin(torch.arange(wrong, wrong + T), cfg.rotary_dim, cfg.rope_theta)
+            if _close(got, w):
+                raise AssertionError(
+                    f"positions: with {start} tokens in the cache the new tokens are positions "
+                    f"{start}..{start + T - 1}; your angles are those of positions "
+                    f"{wrong}..{wrong + T - 1}"
+                )
+        raise AssertionError("the layers' cos differs from rope_cos_sin of the new positions")
+    expect_close("sin given to the layers", calls.layers[0][1].get("sin"), sin, atol=1e-6, rtol=0)
+
+
+@public("ch01.model_forward")
+def _(model_forward):
+    model = _tiny_model(70)
+    ids = torch.randint(0, 64, (2, 5), generator=seeded(71))
+    out, calls = _run_forward(model_forward, model, ids)
+    _check_positions(calls, model, 0, 5)
+    with torch.no_grad():
+        x = model.model.embed_tokens(ids)
+    expect_close("the first layer's input: the embeddings", calls.layers[0][1]["x"], x, 0, 0)
+    if len(calls.norm) != 1:
+        raise AssertionError("the final norm (model.model.norm) must run once, before the head")
+    expect_equal("logits shape", tuple(out.shape), (2, 5, 64))
+    with torch.no_grad():
+        expected = dec.model_forward(model, ids)
+    expect_close("logits", out, expected, atol=1e-5, rtol=1e-4)
+
+
+@public("ch01.model_forward")
+def _(model_forward):
+    model = _tiny_model(72)
+    ids = torch.randint(0, 64, (1, 7), generator=seeded(73))
+    with torch.no_grad():
+        full = model(ids)  # one pass over all 7 tokens, no cache
+        cache = model.new_cache(1)
+        model(ids[:, :4], cache=cache)  # 4 tokens cached (the package's pass commits them)
+    out, calls = _run_forward(model_forward, model, ids[:, 4:], cache)
+    _check_positions(calls, model, 4, 3)
+    for i, call in calls.layers:
+        if call.get("cache") is not cache.layers[i]:
+            raise AssertionError(
+                f"layer {i} must get its own state, cache.layers[{i}] (got "
+                f"{type(call.get('cache')).__name__})"
+            )
+    if cache.length != 4:
+        raise AssertionError(
+            "model_forward must not commit or advance the cache (cache.length went from 4 to "
+            f"{cache.length}): the model commits it once the pass has finished"
+        )
+    expect_close("3 tokens after 4 cached == the full pass's last 3", out, full[:, 4:], 1e-5, 1e-4)
+    out, calls = _run_forward(model_forward, model, ids, None, last_only=True)
+    expect_equal("logits shape with last_only", tuple(out.shape), (1, 1, 64))
+    expect_close("last_only logits == the full pass's last position", out, full[:, -1:], 1e-5, 1e-4)
+    expect_equal(
+        "positions the head was applied to with last_only (1: only the last one)",
+        calls.head[0].shape[1],
+        1,
+    )
+
+
+@hidden("ch01.model_forward")
+def _(model_forward):
+    model = _tiny_model(74, qwen3=False, tied=False, n_heads=6, n_kv=1, layers=3)
+    ids = torch.randint(0, 64, (3, 6), generator=seeded(75))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache(3)
+        model(ids[:, :5], cache=cache)
+    out, calls = _run_forward(model_forward, model, ids[:, 5:], cache, last_only=True)
+    _check_positions(calls, model, 5, 1)
+    expect_close("one token after 5 cached, batch 3", out, full[:, -1:], atol=1e-5, rtol=1e-4)
+
+
+# loading
+
+
+def _header_of(state: dict) -> dict:
+    return {
+        k: {"dtype": "F32", "shape": list(v.shape), "data_offsets": [0, 0]}
+        for k, v in state.items()
+    }
+
+
+def _checkpoint(model, prefix="model."):
+    """The checkpoint of `model`, by checkpoint name (a tied head is not stored)."""
+    tied = model.config.tie_word_embeddings
+    out = {}
+    for name, t in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        key = prefix + name.removeprefix("model.") if name.startswith("model.") else name
+        out[key] = t.detach().clone()
+    return out
+
+
+def _load(load_weights, model, stored, prefix="model."):
+    reads = []
+
+    def get_tensor(key):
+        reads.append(key)
+        return stored[key]
+
+    target = meta_model(model.config)
+    sources = load_weights(target, _header_of(stored), get_tensor, prefix)
+    return target, sources, reads
+
+
+def _expect_same_weights(target, model):
+    for name, t in model.state_dict().items():
+        got = target.state_dict().get(name)
+        if got is None or got.is_meta:
+            raise AssertionError(f"parameter {name!r} was not filled (still on the meta device)")
+        expect_close(f"parameter {name}", got, t, atol=0, rtol=0)
+
+
+@public("ch01.load_weights")
+def _(load_weights):
+    model = _tiny_model(80, tied=False)
+    stored = _checkpoint(model)
+    stored["model.rotary_emb.inv_freq"] = torch.zeros(4)  # a tensor the model does not use
+    target, sources, reads = _load(load_weights, model, stored)
+    expect_equal(
+        "returned {parameter: checkpoint key} (here the names agree)",
+        sources,
+        {k: k for k in model.state_dict()},
+    )
+    _expect_same_weights(target, model)
+    twice = sorted({k for k in reads if reads.count(k) > 1})
+    if twice or "model.rotary_emb.inv_freq" in reads:
+        raise AssertionError(
+            f"read each needed tensor once and nothing else (read twice: {twice}; unneeded: "
+            f"{[k for k in reads if k not in sources.values()]})"
+        )
+    w = target.model.layers[0].self_attn.q_proj.weight
+    if w.data_ptr() != stored["model.layers.0.self_attn.q_proj.weight"].data_ptr():
+        raise AssertionError(
+            "the parameters must be the tensors get_tensor returned, not copies of them "
+            "(load_state_dict(..., assign=True)): a copy doubles the memory of a mapped file"
+        )
+
+
+@public("ch01.load_weights")
+def _(load_weights):
+    model = _tiny_model(81, tied=True)
+    stored = _checkpoint(model)
+    # a stored copy of the head, as Qwen3-0.6B's file has; made different here so it shows
+    stored["lm_head.weight"] = stored["model.embed_tokens.weight"] + 1
+    target, sources, reads = _load(load_weights, model, stored)
+    expect_equal(
+        "checkpoint key of lm_head.weight in a tied model",
+        sources.get("lm_head.weight"),
+        "model.embed_tokens.weight",
+    )
+    if "lm_head.weight" in reads:
+        raise AssertionError(
+            "tied head: lm_head.weight is the embedding; the stored copy must not be read"
+        )
+    expect_close(
+        "tied head == embedding", target.lm_head.weight, model.model.embed_tokens.weight, 0, 0
+    )
+    if target.lm_head.weight is not target.model.embed_tokens.weight:
+        raise AssertionError(
+            "tied head: after loading, lm_head.weight must be the same Parameter as "
+            "model.embed_tokens.weight (assign=True made two; tie them again)"
+        )
+    del stored["lm_head.weight"]  # most tied checkpoints store no head at all
+    target, _, _ = _load(load_weights, model, stored)
+    _expect_same_weights(target, model)
+
+
+@public("ch01.load_weights")
+def _(load_weights):
+    model = _tiny_model(82, tied=True)
+    prefix = "model.language_model."  # Qwen3.5: the text model inside a multimodal checkpoint
+    stored = _checkpoint(model, prefix)
+    stored["model.visual.patch_embed.proj.weight"] = torch.zeros(2, 2)
+    target, sources, reads = _load(load_weights, model, stored, prefix)
+    expect_equal(
+        f"checkpoint key of model.norm.weight with prefix {prefix!r}",
+        sources.get("model.norm.weight"),
+        prefix + "norm.weight",
+    )
+    _expect_same_weights(target, model)
+    del stored[prefix + "layers.1.mlp.up_proj.weight"]
+    try:
+        _load(load_weights, model, stored, prefix)
+    except KeyError as e:
+        if prefix + "layers.1.mlp.up_proj.weight" not in str(e):
+            raise AssertionError(
+                f"the KeyError must name the missing tensor; it says {e}"
+            ) from None
+    else:
+        raise AssertionError("a tensor missing from the checkpoint must raise KeyError naming it")
+
+
+@hidden("ch01.load_weights")
+def _(load_weights):
+    model = _tiny_model(83, qwen3=False, tied=False, n_heads=6, n_kv=3, layers=3)
+    stored = _checkpoint(model)
+    target, sources, _ = _load(load_weights, model, stored)
+    _expect_same_weights(target, model)
+    expect_equal("lm_head of an untied model", sources["lm_head.weight"], "lm_head.weight")
+
+
+# generation
+
+
+class _Watched:
+    """A model that records its calls: how many tokens each call fed, with which cache."""
+
+    def __init__(self, model):
+        self.model, self.calls, self.caches = model, [], []
+        self.config, self.lm_head = model.config, model.lm_head
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def new_cache(self, batch_size=1):
+        cache = self.model.new_cache(batch_size)
+        self.caches.append(cache)
+        return cache
+
+    def __call__(self, ids, cache=None, last_only=False):
+        self.calls.append((ids.clone(), cache, last_only))
+        return self.model(ids, cache=cache, last_only=last_only)
+
+
+def _reference_tokens(model, prompt, n, choose, stop=()):
+    """Recompute the whole sequence at every step, no cache: independent of any cache code."""
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            token = choose(model(torch.tensor([ids]))[0, -1])
+            out.append(token)
+            if token in stop:
+                break
+            ids.append(token)
+    return out
+
+
+def _second_best(logits):
+    return int(logits.topk(2).indices[1])
+
+
+def _check_decode(decode, seed, prompt_len, n, choose=None, stop=None):
+    model = _tiny_model(seed)
+    prompt = torch.randint(0, 64, (prompt_len,), generator=seeded(seed + 1)).tolist()
+    watched = _Watched(model)
+    kwargs = {}
+    if choose is not None:
+        kwargs["choose"] = choose
+    if stop is not None:
+        kwargs["stop"] = stop
+    with torch.no_grad():
+        got = list(decode(watched, prompt, n, **kwargs))
+    expected = _reference_tokens(model, prompt, n, choose or dec.greedy, stop or ())
+    if len(watched.caches) != 1:
+        raise AssertionError(
+            f"one cache for the whole generation: model.new_cache() was called "
+            f"{len(watched.caches)} times"
+        )
+    fed = [c[0].shape[1] for c in watched.calls]
+    if fed and fed[0] != prompt_len:
+        raise AssertionError(
+            f"prefill: the first call feeds the whole prompt ({prompt_len} tokens)"
+        )
+    if any(t != 1 for t in fed[1:]):
+        raise AssertionError(
+            f"after the prefill, feed only the token just chosen (1 token a call; yours fed "
+            f"{fed}): the cache holds everything before it"
+        )
+    if any(c[1] is not watched.caches[0] for c in watched.calls):
+        raise AssertionError("every call must pass the cache (model(ids, cache=cache, ...))")
+    if any(not c[2] for c in watched.calls):
+        raise AssertionError("ask for the last position's logits only: last_only=True")
+    for step, (ids, _, _) in enumerate(watched.calls[1:]):
+        if int(ids[0, 0]) != got[step]:
+            raise AssertionError(
+                f"step {step + 1} must feed the token chosen at step {step} ({got[step]}), "
+                f"not {int(ids[0, 0])}"
+            )
+    expect_equal(f"tokens ({n} at most, prompt of {prompt_len})", got, expected)
+
+
+@public("ch01.decode")
+def _(decode):
+    _check_decode(decode, 90, 5, 6)
+    _check_decode(decode, 91, 3, 0)
+
+
+@public("ch01.decode")
+def _(decode):
+    _check_decode(decode, 92, 4, 5, choose=_second_best)
+    model = _tiny_model(93)
+    prompt = [1, 2, 3]
+    first3 = _reference_tokens(model, prompt, 3, dec.greedy)
+    _check_decode(decode, 93, 3, 8, stop={first3[2]})  # ends after yielding the stop token
+
+
+@hidden("ch01.decode")
+def _(decode):
+    _check_decode(decode, 94, 9, 7, choose=_second_best, stop={-1})
+    _check_decode(decode, 95, 1, 4)
