@@ -78,7 +78,8 @@ class CausalLM(nn.Module):
         the context length are checked first, and the cache is committed only once the whole
         pass has run (discarded if it fails), so it never describes half a pass."""
         if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, tokens], got shape {list(input_ids.shape)}.")
+            shape = list(input_ids.shape)
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {shape}.")
         B, T = input_ids.shape
         start = cache.length if cache is not None else 0
         limit = self.config.max_position_embeddings

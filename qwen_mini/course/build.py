@@ -73,7 +73,8 @@ EXPORT_TAG = "export:"  # a cell tag naming the module the cell goes to, e.g. ex
 
 def _valid_target(target: str) -> bool:
     parts = Path(target).parts
-    return len(parts) >= 2 and parts[0] == "qwen_mini" and target.endswith(".py") and ".." not in parts
+    ok_path = len(parts) >= 2 and parts[0] == "qwen_mini" and ".." not in parts
+    return ok_path and target.endswith(".py")
 
 
 def cell_target(cell: dict, default: str | None, place: str) -> str | None:
