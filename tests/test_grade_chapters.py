@@ -41,6 +41,7 @@ def _grade(tmp_path: Path, chapter: int, files: list[Path]) -> dict[str, dict]:
     [
         (0, "6a366c8d", "ch00.rotate_half", "ch00.apply_rope"),
         (1, "a988864a", "ch01.repeat_kv", "ch01.Attention"),
+        (1, "a8000004", "ch01.DecoderLayer", "ch01.decode"),  # the model-level exercises
     ],
 )
 def test_real_chapter_grades(tmp_path, chapter, stub_cell, stubbed, dependent):
