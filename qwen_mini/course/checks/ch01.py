@@ -676,9 +676,13 @@ def _attention_stages(Attention, cfg, seed, B=1, cached=0, T=4):
                 h.remove()
 
         if cfg.qk_norm:
+            if not seen_q and crash is not None:
+                raise crash
             if not seen_q:
                 raise AssertionError("QK-Norm skipped: normalise each query head with self.q_norm")
             s = seen_q[0]
+            if tuple(s.shape) == (B, T, H, D):  # normalised before the transpose: as transformers
+                s = s.transpose(1, 2)
             if tuple(s.shape) != tuple(q.shape):
                 raise AssertionError(
                     f"QK-Norm is per head: q_norm takes the split heads {list(q.shape)} (RMSNorm "
@@ -692,6 +696,8 @@ def _attention_stages(Attention, cfg, seed, B=1, cached=0, T=4):
             if not _close(s, q):
                 raise AssertionError("projections: q_norm's input differs from split q_proj(x)")
         if cached:
+            if not cache.stored and crash is not None:
+                raise crash
             if not cache.stored:
                 raise AssertionError(
                     "with a cache, store the new keys and values: k, v = cache.update(k, v)"
@@ -1024,7 +1030,9 @@ class _Recorder(nn.Module):
             self.proj.weight.copy_(torch.randn(dim, dim, generator=seeded(seed)) * 0.5)
         self.mixer, self.calls = mixer, []
 
-    def forward(self, x, *args):
+    def forward(self, x, *args, **kwargs):
+        names = ("cos", "sin", "cache")[len(args) :]  # keywords, in the protocol's order
+        args = args + tuple(kwargs[n] for n in names if n in kwargs)
         self.calls.append((x.detach().clone(), args))
         return self.proj(x)
 
@@ -1376,6 +1384,11 @@ def _(load_weights):
     # a stored copy of the head, as Qwen3-0.6B's file has; made different here so it shows
     stored["lm_head.weight"] = stored["model.embed_tokens.weight"] + 1
     target, sources, reads = _load(load_weights, model, stored)
+    if "lm_head.weight" not in reads and "lm_head.weight" not in sources:
+        raise AssertionError(
+            "the map names a source for every entry of model.state_dict(), the tied head "
+            "included: lm_head.weight <- 'model.embed_tokens.weight'"
+        )
     if "lm_head.weight" in reads or sources.get("lm_head.weight") != "model.embed_tokens.weight":
         raise AssertionError(
             "tied head: lm_head.weight is filled from model.embed_tokens.weight (it is the "
@@ -1457,6 +1470,8 @@ class _Watched:
     def __call__(self, ids, cache=None, last_only=False):
         self.calls.append((ids.clone(), cache, last_only))
         return self.model(ids, cache=cache, last_only=last_only)
+
+    forward = __call__
 
 
 def _reference_tokens(model, prompt, n, choose, stop=()):
