@@ -163,7 +163,8 @@ class Attention(nn.Module):
 
 
 def kv_bytes_per_token(cfg, dtype_bytes: int = 2) -> int:
-    """Bytes the KV cache grows by per token: a key and a value per KV head in every layer."""
+    """Bytes the KV cache grows by when one more token is cached."""
+    # every layer stores a key and a value vector of head_dim numbers for each KV head
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
 
 

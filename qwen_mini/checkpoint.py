@@ -23,6 +23,7 @@ from torch import nn
 
 from .architectures import ARCHITECTURES
 from .config import Config
+from .decoder import load_weights
 from .model import CausalLM
 from .runtime import convert_for_runtime
 
@@ -43,7 +44,7 @@ class CheckpointError(ValueError):
 
 
 @contextmanager
-def _no_init():
+def without_init():
     """Modules fill their weights with random numbers when built; on the meta device there is
     nothing to fill, yet the first fill of a meta tensor costs seconds (torch loads its Python
     reference kernels), and the loaded weights replace it anyway. Every built-in module (Linear,
@@ -62,7 +63,7 @@ def _no_init():
 
 def meta_model(cfg: Config) -> CausalLM:
     """The model `cfg` describes, shapes only: no memory, no random init."""
-    with torch.device("meta"), _no_init():
+    with torch.device("meta"), without_init():
         return CausalLM(cfg)
 
 
@@ -304,19 +305,17 @@ def validate(
 def build_model(
     cfg: Config, tensors: dict[str, torch.Tensor], dtype: torch.dtype | str | None = None
 ) -> CausalLM:
-    """Assign validated tensors (by checkpoint name) to a model built on the meta device, with no
-    copy unless `dtype` asks for one; then apply the runtime speed-ups."""
+    """Fill a model built on the meta device with validated tensors (by checkpoint name), through
+    chapter 1's `load_weights`, with no copy unless `dtype` asks for one; then apply the runtime
+    speed-ups."""
     dtype = _dtype(dtype)
     model = meta_model(cfg)
-    names = {checkpoint_name(k, cfg): k for k in model.state_dict()}  # checkpoint -> module
-    state = {
-        names[k]: t if dtype is None else t.to(dtype) for k, t in tensors.items() if k in names
-    }
-    if cfg.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state, strict=True, assign=True)
-    if cfg.tie_word_embeddings:  # assign made two Parameters; make them one again
-        model.lm_head.weight = model.model.embed_tokens.weight
+    prefix = ARCHITECTURES[cfg.model_type].checkpoint_prefix
+
+    def get_tensor(key: str) -> torch.Tensor:
+        return tensors[key] if dtype is None else tensors[key].to(dtype)
+
+    load_weights(model, tensors, get_tensor, prefix)
     return convert_for_runtime(model.eval())
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from .decoder import decode
+
 DEFAULT_MAX_NEW_TOKENS = 256
 
 
@@ -221,22 +223,20 @@ def generate_tokens(
 
 @torch.inference_mode()  # on a generator, torch enters the mode only while the generator runs
 def _decode(model, prompt_ids, max_new_tokens, s: Sampling, seed, stop) -> Iterator[int]:
+    """Chapter 1's `decode` loop (prefill once, then one token at a time through the cache),
+    choosing each token with the sampling settings `s`."""
     device = next(model.parameters()).device
     generator = None
     if seed is not None and s.temperature > 0:
         generator = torch.Generator(device=device).manual_seed(seed)
     seen = torch.zeros(model.config.vocab_size, dtype=torch.bool, device=device)
 
-    cache = model.new_cache(batch_size=1)
-    ids = torch.tensor([prompt_ids], device=device)
-    for _ in range(max_new_tokens):
-        logits = model(ids, cache=cache, last_only=True)[0, -1].float()  # [V]
-        token = next_token(logits, seen, s, generator)
-        yield token
-        if token in stop:
-            return
-        seen[token] = True
-        ids = torch.tensor([[token]], device=device)  # the cache holds everything before it
+    def choose(logits: torch.Tensor) -> int:
+        token = next_token(logits.float(), seen, s, generator)
+        seen[token] = True  # for the presence penalty of the next steps
+        return token
+
+    yield from decode(model, prompt_ids, max_new_tokens, choose, stop)
 
 
 def next_token(logits: torch.Tensor, seen: torch.Tensor, s: Sampling, generator=None) -> int:

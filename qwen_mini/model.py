@@ -12,51 +12,33 @@ from torch import nn
 from .architectures import ARCHITECTURES, MIXER_ATTRIBUTE
 from .cache import Cache
 from .config import Config
-from .foundations import rope_cos_sin
+from .decoder import DecoderLayer, model_forward
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x))."""
-
-    def __init__(self, cfg: Config, layer_idx: int):
-        super().__init__()
-        arch = ARCHITECTURES[cfg.model_type]
-        layer_type = cfg.layer_types[layer_idx]
-        # the config picks the mixer; its attribute is the checkpoint's name for it
-        self.mixer_name = MIXER_ATTRIBUTE[layer_type]
-        self.input_layernorm = arch.norm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.add_module(self.mixer_name, arch.mixers[layer_type](cfg, layer_idx))
-        self.post_attention_layernorm = arch.norm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = arch.mlp(cfg, layer_idx)
-
-    @property
-    def mixer(self) -> nn.Module:
-        return getattr(self, self.mixer_name)
-
-    def forward(self, x: torch.Tensor, cos, sin, cache=None) -> torch.Tensor:  # [B, T, hidden]
-        x = x + self.mixer(self.input_layernorm(x), cos, sin, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+def build_layer(cfg: Config, layer_idx: int) -> DecoderLayer:
+    """Layer `layer_idx` of the model `cfg` describes: its mixer, feed-forward and norms come from
+    the architecture table; the config's `layer_types` picks the mixer."""
+    arch = ARCHITECTURES[cfg.model_type]
+    layer_type = cfg.layer_types[layer_idx]
+    return DecoderLayer(
+        MIXER_ATTRIBUTE[layer_type],  # the checkpoint's name for it: self_attn, linear_attn
+        arch.mixers[layer_type](cfg, layer_idx),
+        arch.mlp(cfg, layer_idx),
+        arch.norm(cfg.hidden_size, cfg.rms_norm_eps),  # input_layernorm
+        arch.norm(cfg.hidden_size, cfg.rms_norm_eps),  # post_attention_layernorm
+    )
 
 
 class Backbone(nn.Module):
-    """Token ids -> final hidden states: embedding, the decoder layers, the final norm."""
+    """What the checkpoint calls `model.`: the embedding, the decoder layers, the final norm.
+    The forward pass through them is chapter 1's `model_forward`."""
 
     def __init__(self, cfg: Config):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(build_layer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = ARCHITECTURES[cfg.model_type].norm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
-        cfg = self.config
-        start = cache.length if cache is not None else 0  # the new tokens follow the cached ones
-        x = self.embed_tokens(input_ids)  # [B, T, hidden]
-        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
-        cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.layers[i] if cache is not None else None)
-        return self.norm(x)  # [B, T, hidden]
 
 
 class CausalLM(nn.Module):
@@ -88,6 +70,16 @@ class CausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, cache: Cache | None = None, last_only: bool = False
     ) -> torch.Tensor:
+        """logits [B, T, vocab] ([B, 1, vocab] with last_only): chapter 1's `model_forward`."""
+        return self.run_pass(model_forward, input_ids, cache, last_only)
+
+    def run_pass(self, forward_pass, input_ids, cache=None, last_only=False) -> torch.Tensor:
+        """`forward_pass(self, input_ids, cache, last_only)`, made safe to call: the input and
+        the context length are checked first, and the cache is committed only once the whole
+        pass has run (discarded if it fails), so it never describes half a pass."""
+        if input_ids.dim() != 2:
+            shape = list(input_ids.shape)
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {shape}.")
         B, T = input_ids.shape
         start = cache.length if cache is not None else 0
         limit = self.config.max_position_embeddings
@@ -100,13 +92,11 @@ class CausalLM(nn.Module):
         if cache is not None and cache.batch_size != B:
             raise ValueError(f"the cache was made for batch size {cache.batch_size}, not {B}.")
         try:
-            x = self.model(input_ids, cache)
+            logits = forward_pass(self, input_ids, cache, last_only)
         except BaseException:
             if cache is not None:
                 cache.discard()  # a failed pass leaves the cache as it was
             raise
         if cache is not None:
             cache.commit(T)  # only now, once every layer has run
-        if last_only:
-            x = x[:, -1:]
-        return self.lm_head(x)  # [B, T, vocab] (T = 1 with last_only)
+        return logits

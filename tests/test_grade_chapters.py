@@ -72,6 +72,7 @@ def _grade(tmp_path: Path, chapter: int, files: list[Path]) -> dict[str, dict]:
     [
         (0, "6a366c8d", "ch00.rotate_half", "ch00.apply_rope"),
         (1, "a988864a", "ch01.repeat_kv", "ch01.Attention"),
+        (1, "a8000004", "ch01.DecoderLayer", "ch01.decode"),  # the model-level exercises
         (4, "c4000011", "ch04.render_turn", "ch04.render_prompt"),
     ],
 )
