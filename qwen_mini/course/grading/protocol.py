@@ -6,6 +6,10 @@ learner text travel escaped). Values cross as plain data of exact types only:
     None, bool, int, float, str            as themselves (the exact built-in types)
     list, tuple, set, frozenset, dict      {"t": "list" | "tuple" | "set" | ..., "v": ...}
     torch.Tensor (or nn.Parameter)         {"t": "tensor", "dtype", "shape", "data" (base64), ...}
+      from the worker, a view of a storage: {"t": "tensor", ..., "sid", "storage" (base64 of the
+      whole storage), "offset", "stride"}: the grader keeps one buffer per storage id, so two
+      tensors that share memory in the worker share it here (`data_ptr()` identity, a KV cache
+      returning views of its buffer, a buffer reallocated by growth: a new storage id)
     torch.dtype / device / Size, slice     {"t": "dtype" | "device" | "size" | "slice", "v": ...}
     a dataclass of the package, a SimpleNamespace (grader -> worker only) {"t": "obj" | "ns"}
     a package object by import path (grader -> worker only)              {"t": "pkg", "v": path}
@@ -54,6 +58,8 @@ DTYPES = {
     )
 }
 MAX_DEPTH = 32  # nesting of containers in one value
+SHARED_STORAGE_MAX = 8 * 2**20  # bytes: a bigger storage crosses as a plain copy of the tensor
+SHARED_TOTAL_MAX = 256 * 2**20  # bytes of storages one worker keeps alive to keep their ids
 
 
 class Handle:
@@ -120,10 +126,19 @@ class Codec:
         self.export_ok = export_ok
         self.path_hook = path_hook  # grader side: a file's path -> its copy the worker can read
         self.mirrors: list[tuple[int, torch.Tensor, int]] = []  # see decode()
+        self.ids: dict[int, int] = {}  # id(obj) -> its handle: one object, one handle
+        self.remotes: dict[int, object] = {}  # the other side's handle -> one stand-in
+        self.storages: dict[int, tuple[int, object]] = {}  # worker: data_ptr -> (sid, storage)
+        self.storage_bytes = 0
+        self.buffers: dict[int, torch.Tensor] = {}  # grader: storage id -> its bytes here
 
     def handle(self, obj) -> int:
+        h = self.ids.get(id(obj))
+        if h is not None and self.objects.get(h) is obj:  # kept alive here: the id is still its
+            return h
         h = len(self.objects) + 1
         self.objects[h] = obj
+        self.ids[id(obj)] = h
         return h
 
     def lookup(self, h) -> object:
@@ -216,7 +231,44 @@ class Codec:
         }
         if self.side == "w":  # the grader may change it in place (p.fill_(1.0)): keep a way back
             out["h"] = self.handle(value)
+            shared = self._storage(value)
+            if shared is not None:
+                del out["data"]
+                out.update(shared)
         return out
+
+    def _storage(self, value: torch.Tensor) -> dict | None:
+        """The worker's side of a tensor that crosses with its storage (see the module's doc);
+        None where it crosses as a plain copy (a big, odd or exhausted case)."""
+        if (
+            value.device.type != "cpu"
+            or value.dtype is torch.bool
+            or value.is_conj()
+            or value.is_neg()
+        ):
+            return None
+        try:
+            storage = value.detach().untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return None
+        nbytes, ptr = storage.nbytes(), storage.data_ptr()
+        if not 0 < nbytes <= SHARED_STORAGE_MAX or ptr == 0:
+            return None
+        if ptr in self.storages and self.storages[ptr][1].nbytes() == nbytes:
+            sid = self.storages[ptr][0]
+        else:
+            if self.storage_bytes + nbytes > SHARED_TOTAL_MAX:
+                return None
+            sid = len(self.storages) + 1
+            self.storages[ptr] = (sid, storage)  # kept alive: its address stays its own
+            self.storage_bytes += nbytes
+        raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
+        return {
+            "sid": sid,
+            "storage": base64.b64encode(raw.numpy().tobytes()).decode("ascii"),
+            "offset": value.storage_offset(),
+            "stride": list(value.stride()),
+        }
 
     # values coming in
 
@@ -278,7 +330,9 @@ class Codec:
             if side == self.side:
                 return self.lookup(h)
             _need(side in ("w", "p") and type(h) is int, value)
-            return self.remote(h, value.get("type"))
+            if h not in self.remotes:  # one object there, one stand-in here (identity holds)
+                self.remotes[h] = self.remote(h, value.get("type"))
+            return self.remotes[h]
         if self.side == "w" and t == "path":
             _need(type(v) is str, value)
             return pathlib.Path(v)
@@ -287,6 +341,54 @@ class Codec:
         raise ProtocolError(f"unknown value type {t!r}")
 
     def _decode_tensor(self, value: dict) -> torch.Tensor:
+        if "sid" in value and self.side == "p":
+            tensor = self._decode_view(value)
+        else:
+            tensor = self._decode_copy(value)
+        if value.get("grad") is True and tensor.is_floating_point():
+            tensor.requires_grad_(True)
+        if "h" in value:
+            _need(type(value["h"]) is int, value)
+            self.mirrors.append((value["h"], tensor, tensor._version))
+        return tensor
+
+    def _decode_view(self, value: dict) -> torch.Tensor:
+        """A tensor over a storage of the worker's: the grader's buffer for that storage, its
+        bytes refreshed in place (tensors received earlier over it see them, as views would),
+        and a view into it whose every element is inside the buffer."""
+        dtype, shape, stride = value.get("dtype"), value.get("shape"), value.get("stride")
+        sid, offset, data = value.get("sid"), value.get("offset"), value.get("storage")
+        _need(dtype in DTYPES and DTYPES[dtype] is not torch.bool and type(data) is str, value)
+        _need(type(sid) is int and type(offset) is int and offset >= 0, value)
+        _need(
+            type(shape) is list
+            and type(stride) is list
+            and len(shape) == len(stride) <= 16
+            and all(type(x) is int and x >= 0 for x in shape + stride),
+            value,
+        )
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except ValueError:
+            raise ProtocolError("tensor data is not base64") from None
+        _need(0 < len(raw) <= SHARED_STORAGE_MAX, value)
+        dt = DTYPES[dtype]
+        size = torch.empty((), dtype=dt).element_size()
+        last = offset + sum((n - 1) * s for n, s in zip(shape, stride, strict=True) if n > 0)
+        if all(n > 0 for n in shape):
+            _need((last + 1) * size <= len(raw), value)
+        else:
+            _need(offset * size <= len(raw), value)
+        new = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        buf = self.buffers.get(sid)
+        if buf is None or buf.numel() != new.numel():
+            buf = self.buffers[sid] = new  # a storage of another size: another buffer
+        else:
+            with torch.no_grad():
+                buf.copy_(new)
+        return torch.empty(0, dtype=dt).set_(buf.untyped_storage(), offset, shape, stride)
+
+    def _decode_copy(self, value: dict) -> torch.Tensor:
         dtype, shape, data = value.get("dtype"), value.get("shape"), value.get("data")
         _need(dtype in DTYPES and type(data) is str, value)
         _need(
@@ -311,11 +413,6 @@ class Codec:
             tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8).ne(0).reshape(shape)
         else:
             tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape)
-        if value.get("grad") is True and tensor.is_floating_point():
-            tensor.requires_grad_(True)
-        if "h" in value:
-            _need(type(value["h"]) is int, value)
-            self.mirrors.append((value["h"], tensor, tensor._version))
         return tensor
 
     def _decode_object(self, t: str, value: dict, depth: int):
