@@ -131,6 +131,28 @@ class Codec:
         self.storages: dict[int, tuple[int, object]] = {}  # worker: data_ptr -> (sid, storage)
         self.storage_bytes = 0
         self.buffers: dict[int, torch.Tensor] = {}  # grader: storage id -> its bytes here
+        self.pickle = None  # grader: obj -> a by-value message or None (see byvalue.py)
+        self.is_remote = lambda obj: False  # grader: a stand-in for a worker's object
+        self.params: dict[int, torch.nn.Parameter] = {}  # grader: id(tensor) -> its Parameter
+        self.from_grader: dict[int, object] = {}  # worker: grader handle -> its copy here
+        self.origin: dict[int, int] = {}  # worker: id(copy) -> the grader's handle
+        self.storage_origin: dict[int, int] = {}  # worker: data_ptr -> grader tensor handle
+        self.tensor_cache: dict[tuple, torch.Tensor] = {}  # grader: one tensor per worker view
+
+    def adopt(self, h, obj) -> None:
+        """Worker: `obj` is the copy of the grader's object `h` (by value or as a tensor)."""
+        self.from_grader[h] = obj
+        self.origin[id(obj)] = h
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            with _suppress():
+                self.storage_origin[obj.untyped_storage().data_ptr()] = h
+
+    def parameter(self, t: torch.Tensor) -> torch.nn.Parameter:
+        """Grader: one Parameter per received tensor (a tied weight stays one object)."""
+        if id(t) not in self.params:
+            self.params[id(t)] = torch.nn.Parameter(t, requires_grad=t.requires_grad)
+            self.objects[self.handle(t)] = t  # kept alive: its id stays its own
+        return self.params[id(t)]
 
     def handle(self, obj) -> int:
         h = self.ids.get(id(obj))
@@ -154,6 +176,10 @@ class Codec:
         t = type(value)
         if t is Handle:
             return self.ref(value.obj)
+        if self.side == "w" and id(value) in self.origin and not isinstance(value, torch.Tensor):
+            h = self.origin[id(value)]
+            if self.from_grader.get(h) is value:  # the grader's own object, back to it
+                return {"t": "ref", "side": "p", "h": h, "type": _name(t)[:100]}
         if t is str and self.path_hook and value.startswith("/") and os.path.isfile(value):
             return self.path_hook(value)  # a file of the grader's, named in a string
         if value is None or t in (bool, int, str):
@@ -191,6 +217,10 @@ class Codec:
         if self.side == "w" and isinstance(value, torch.Tensor):
             return {"t": "bad", "v": f"a {_name(t)}, a subclass of torch.Tensor"}
         if self.side == "p":
+            if self.pickle is not None and value is not None:
+                sent = self.pickle(value)
+                if sent is not None:
+                    return sent
             if isinstance(value, pathlib.PurePath) and self.path_hook:
                 return {"t": "path", "v": self.path_hook(str(value))}
             if t is types.SimpleNamespace:
@@ -229,6 +259,8 @@ class Codec:
             "data": base64.b64encode(raw).decode("ascii"),
             "grad": bool(value.requires_grad and value.is_leaf),
         }
+        if self.side == "p":  # the worker may hand it back: it will say so ("ph")
+            out["ph"] = self.handle(value)
         if self.side == "w":  # the grader may change it in place (p.fill_(1.0)): keep a way back
             out["h"] = self.handle(value)
             shared = self._storage(value)
@@ -263,7 +295,8 @@ class Codec:
             self.storages[ptr] = (sid, storage)  # kept alive: its address stays its own
             self.storage_bytes += nbytes
         raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
-        return {
+        extra = {"ph": self.storage_origin[ptr]} if ptr in self.storage_origin else {}
+        return extra | {
             "sid": sid,
             "storage": base64.b64encode(raw.numpy().tobytes()).decode("ascii"),
             "offset": value.storage_offset(),
@@ -336,6 +369,11 @@ class Codec:
         if self.side == "w" and t == "path":
             _need(type(v) is str, value)
             return pathlib.Path(v)
+        if self.side == "w" and t == "val":
+            from . import byvalue
+
+            _need(type(v) is str, value)
+            return byvalue.loads(v, self)
         if self.side == "w" and t in ("ns", "obj", "pkg"):
             return self._decode_object(t, value, depth)
         raise ProtocolError(f"unknown value type {t!r}")
@@ -345,6 +383,8 @@ class Codec:
             tensor = self._decode_view(value)
         else:
             tensor = self._decode_copy(value)
+            if self.side == "w" and type(value.get("ph")) is int:
+                self.adopt(value["ph"], tensor)
         if value.get("grad") is True and tensor.is_floating_point():
             tensor.requires_grad_(True)
         if "h" in value:
@@ -379,6 +419,10 @@ class Codec:
             _need((last + 1) * size <= len(raw), value)
         else:
             _need(offset * size <= len(raw), value)
+        dt_shape = (sid, dtype, offset, tuple(shape), tuple(stride))
+        mine = self._grader_tensor(value.get("ph"), raw, dt, offset, shape, stride)
+        if mine is not None:
+            return mine
         new = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         buf = self.buffers.get(sid)
         if buf is None or buf.numel() != new.numel():
@@ -386,7 +430,34 @@ class Codec:
         else:
             with torch.no_grad():
                 buf.copy_(new)
-        return torch.empty(0, dtype=dt).set_(buf.untyped_storage(), offset, shape, stride)
+        cached = self.tensor_cache.get(dt_shape)
+        if cached is not None and cached.untyped_storage().data_ptr() == buf.data_ptr():
+            return cached  # the same view of the same storage: the same tensor, as there
+        view = torch.empty(0, dtype=dt).set_(buf.untyped_storage(), offset, shape, stride)
+        self.tensor_cache[dt_shape] = view
+        return view
+
+    def _grader_tensor(self, ph, raw: bytes, dt, offset, shape, stride):
+        """The worker says this tensor lies in the memory of a tensor the grader sent it (a
+        parameter made of a tensor a check's callback returned): believed only if that memory
+        holds exactly the grader's bytes; then it is a view of the grader's own tensor."""
+        if type(ph) is not int or ph not in self.objects:
+            return None
+        g = self.objects[ph]
+        if type(g) not in (torch.Tensor, torch.nn.Parameter) or g.dtype != dt:
+            return None
+        if g.is_meta or not g.is_contiguous() or g.device.type != "cpu":
+            return None
+        data = g.detach().reshape(-1)
+        mine = data.view(torch.uint8) if data.numel() else data
+        if mine.numel() != len(raw) or not torch.equal(
+            mine, torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        ):
+            return None
+        if offset == 0 and list(g.shape) == shape and list(g.stride()) == stride:
+            return g
+        base = g.storage_offset()
+        return torch.empty(0, dtype=dt).set_(g.untyped_storage(), base + offset, shape, stride)
 
     def _decode_copy(self, value: dict) -> torch.Tensor:
         dtype, shape, data = value.get("dtype"), value.get("shape"), value.get("data")
@@ -428,6 +499,12 @@ class Codec:
         obj = object.__new__(cls)
         obj.__dict__.update(fields)
         return obj
+
+
+def _suppress():
+    import contextlib
+
+    return contextlib.suppress(RuntimeError, NotImplementedError)
 
 
 def _need(ok: bool, value) -> None:

@@ -14,6 +14,7 @@ import builtins
 import contextlib
 import json
 import os
+import pickle
 import random
 import select
 import shutil
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..checking import CHECKS
-from . import protocol
+from . import byvalue, protocol
 from .plan import ROOT, GraderError
 from .protocol import Codec, ProtocolError
 
@@ -267,6 +268,8 @@ class Connection:
     def __init__(self, zygote: Zygote, memory_mb: int, on_use):
         self.zygote, self.on_use = zygote, on_use
         self.codec = Codec("p", lambda h, t: Remote(self, h, t), _exportable, self._copy_in)
+        self.codec.pickle = self._by_value
+        self.codec.is_remote = lambda obj: type(obj) is Remote
         self.copies: dict[str, str] = {}
         self.deadline = time.monotonic() + 60
         self.request_id, self.depth = 0, 0
@@ -289,6 +292,16 @@ class Connection:
         except WorkerFault:
             self.close()  # the zygote ends it and waits for the next submission
             raise
+
+    def _by_value(self, obj):
+        """A module or an object of the package or of a check: a copy for the worker (see
+        byvalue.py), or None where it cannot be pickled (it then crosses as a handle)."""
+        if not byvalue.by_value(obj):
+            return None
+        try:
+            return {"t": "val", "v": byvalue.dumps(obj, self.codec, self.codec.is_remote)}
+        except (pickle.PicklingError, TypeError, AttributeError, RecursionError):
+            return None
 
     def _copy_in(self, path: str) -> str:
         """A check passes a file of its own (a safetensors file it wrote): the worker, another
@@ -362,12 +375,15 @@ class Connection:
             if reply.get("id") != rid:
                 raise BadMessage("an answer to a question not asked")
             try:
+                if "state" in reply and message["op"] in byvalue.STATE_OPS:
+                    # what the learner's code did to the objects the check passed in
+                    byvalue.apply_state(self.codec, reply["state"], self.codec.decode)
                 if "raise" in reply:
                     raise _learner_exception(reply["raise"])
                 if "re" not in reply:
                     raise BadMessage("an answer without a value")
                 return self.codec.decode(reply["re"])
-            except ProtocolError as e:
+            except (ProtocolError, ValueError) as e:
                 raise BadMessage(str(e)) from None
 
     def _serve(self, m: dict) -> None:

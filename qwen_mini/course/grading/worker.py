@@ -27,7 +27,7 @@ import sys
 import time
 import traceback
 
-from . import protocol
+from . import byvalue, protocol
 from .monitor import Monitor, Snapshot, changed
 from .protocol import Codec, Handle, ProtocolError
 
@@ -146,12 +146,26 @@ class Worker:
                 return None
 
     def answer(self, message: dict) -> None:
+        import torch
+
         try:
             result = {"re": self.codec.encode(self.do(message))}
         except ProtocolError:
             raise
         except BaseException as e:  # the learner's exception, sent as a description
             result = {"raise": {"type": _type_name(e), "msg": _text(e)}}
+        copies = self.codec.from_grader
+        if message.get("op") in byvalue.STATE_OPS and any(
+            not isinstance(obj, torch.Tensor) for obj in copies.values()
+        ):
+            try:  # what the learner's code did to the objects the check passed in
+                result["state"] = [
+                    [h, self.codec.encode(byvalue.state_of(obj))]
+                    for h, obj in list(copies.items())
+                    if not isinstance(obj, torch.Tensor)
+                ]
+            except BaseException as e:
+                result = {"raise": {"type": _type_name(e), "msg": _text(e)}}
         protocol.send(self.sock, dict(result, id=message.get("id")))
 
     def do(self, m: dict):
@@ -175,6 +189,8 @@ class Worker:
                 self.namespace[m["name"]] = self.snap.references[m["ex"]]
                 return None
             if op == "begin":
+                self.codec.from_grader.clear()  # the copies of an earlier exercise's checks
+                self.codec.origin.clear()
                 return self.begin(m["ex"])
             if op == "end":
                 hit = self.monitor.stop()

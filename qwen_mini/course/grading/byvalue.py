@@ -1,0 +1,199 @@
+"""Objects a check hands to the learner's code, sent BY VALUE (grader -> worker only).
+
+A check written as it runs in the notebook passes its own objects into the learner's code: a
+module the learner's constructor registers (`add_module` needs a real `nn.Module`), a model whose
+layers the learner's loop iterates, a model the learner's loader fills, a fake whose methods
+return generators. A handle cannot be any of those. So such an object crosses as a pickle that
+the GRADER writes and the WORKER reads (the grader is trusted; nothing is ever unpickled in the
+grader: what comes back is plain data, see `protocol.py`):
+
+- every module, tensor and package or check object in it is tagged with the grader's handle for
+  its original, so when the learner's code hands one back (`layer.mixer`, a cache state given to
+  a hook) it arrives in the grader as the grader's own object: `is` holds as in the notebook;
+- the check's own functions in it (hooks registered on a module, callbacks) stay in the grader:
+  they cross as handles and run there, called from the worker;
+- sent again (the grader changed it: `cache.commit(n)`), it updates the worker's copy in place,
+  so the learner's code that kept a reference sees the change;
+- after every answer the worker reports the state of the copies it holds (`state_of`), and the
+  grader applies it to the originals (`apply_state`): what the learner's code recorded in a
+  check's fake or cache, the parameters its loader put into an empty (meta) model. It may not
+  change the values of a parameter or buffer that had values (the grader computes expected
+  values with those; such a change fails the check), nor put a stand-in for one of its own
+  objects directly into an attribute (only inside a list, tuple or dict: a record).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import pickle
+import types
+
+import torch
+
+from ..checking import CHECKS
+
+
+STATE_OPS = ("call", "getattr", "setattr", "getitem", "setitem", "len", "iter", "next")
+
+
+def _from_checks(module) -> bool:
+    return isinstance(module, str) and module.startswith((CHECKS + ".", "qwen_mini_extra_exercises."))
+
+
+def _ours(obj) -> bool:
+    """Tagged with the grader's handle: modules, tensors, namespaces, package and check objects."""
+    if isinstance(obj, (type, types.FunctionType, types.MethodType, types.ModuleType)):
+        return False
+    if isinstance(obj, (torch.nn.Module, types.SimpleNamespace)) or type(obj) is object:
+        return True
+    if type(obj) in (torch.Tensor, torch.nn.Parameter):
+        return True
+    module = getattr(type(obj), "__module__", "") or ""
+    return module.split(".")[0] == "qwen_mini"
+
+
+def by_value(obj) -> bool:
+    """Sent by value rather than as a handle: a module, or an object of the package or of a
+    check (not a dataclass, which already crosses as its fields, nor a function)."""
+    if isinstance(obj, torch.nn.Module) or type(obj) is object:  # a module, a bare sentinel
+        return True
+    if isinstance(obj, (type, types.FunctionType, types.MethodType, types.ModuleType)):
+        return False
+    module = getattr(type(obj), "__module__", "") or ""
+    return module.split(".")[0] == "qwen_mini" and (
+        _from_checks(module) or not module.startswith("qwen_mini.course")
+    )
+
+
+# --- the grader's side ---------------------------------------------------------------------------
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file, codec, is_remote):
+        super().__init__(file, protocol=5)
+        self.codec, self.is_remote = codec, is_remote
+
+    def persistent_id(self, obj):
+        if self.is_remote(obj):
+            return ("w", obj._h)
+        fn = obj.__func__ if isinstance(obj, types.MethodType) else obj
+        if isinstance(fn, types.FunctionType) and _from_checks(fn.__module__):
+            return ("p", self.codec.handle(obj), type(obj).__name__)  # runs here when called
+        return None
+
+    def reducer_override(self, obj):
+        if not _ours(obj):
+            return NotImplemented
+        reduced = obj.__reduce_ex__(5)
+        if isinstance(reduced, str):
+            return NotImplemented
+        h = self.codec.handle(obj)
+        return (_revive, (h, reduced[0], reduced[1]), *reduced[2:])
+
+
+def dumps(obj, codec, is_remote) -> str:
+    out = io.BytesIO()
+    _Pickler(out, codec, is_remote).dump(obj)
+    return base64.b64encode(out.getvalue()).decode("ascii")
+
+
+def apply_state(codec, states, decode) -> None:
+    """The worker's report of the copies it holds, applied to the grader's originals."""
+    if type(states) is not list:
+        raise ValueError("a malformed state report")
+    for entry in states:
+        if type(entry) is not list or len(entry) != 2:
+            raise ValueError("a malformed state report")
+        obj, state = codec.lookup(entry[0]), decode(entry[1])
+        if type(state) is not dict:
+            raise ValueError("a malformed state report")
+        if isinstance(obj, torch.nn.Module):
+            for kind in ("params", "buffers"):
+                table = obj._parameters if kind == "params" else obj._buffers
+                for name, t in (state.get(kind) or {}).items():
+                    if name not in table or t is table[name]:
+                        continue
+                    old = table[name]
+                    if t is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
+                        raise AssertionError(f"{name} of a module the check passed in: not a tensor")
+                    if old is not None and not old.is_meta and not (
+                        t is not None
+                        and t.shape == old.shape
+                        and t.dtype == old.dtype
+                        and torch.equal(t.detach(), old.detach())
+                    ):
+                        raise AssertionError(
+                            f"your code changed {name} of a module the check passed in (its "
+                            "weights are what the check computes expected values with)"
+                        )
+                    if kind == "params" and t is not None and type(t) is not torch.nn.Parameter:
+                        t = codec.parameter(t)
+                    table[name] = t
+        attrs = state.get("attrs") or {}
+        target = getattr(obj, "__dict__", None)
+        if type(attrs) is not dict or not isinstance(target, dict):
+            continue
+        for name, value in attrs.items():
+            if type(name) is not str or name.startswith("_") or name not in target:
+                continue
+            if codec.is_remote(value) and not codec.is_remote(target[name]):
+                raise AssertionError(
+                    f"your code put one of its own objects in {name} of an object the check "
+                    "passed in"
+                )
+            target[name] = value
+
+
+# --- the worker's side ---------------------------------------------------------------------------
+
+_WORKER = None  # the worker's codec, while it reads a pickle
+
+
+def _revive(h, fn, args):
+    codec = _WORKER
+    known = codec.from_grader.get(h)
+    if known is not None and not isinstance(known, torch.Tensor):
+        return known  # sent again: its state is set again, in place
+    obj = fn(*args)
+    codec.adopt(h, obj)
+    return obj
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, codec):
+        super().__init__(file)
+        self.codec = codec
+
+    def persistent_load(self, pid):
+        if type(pid) is not tuple or pid[0] not in ("w", "p"):
+            raise pickle.UnpicklingError("bad persistent id")
+        if pid[0] == "w":
+            return self.codec.lookup(pid[1])
+        return self.codec.decode({"t": "ref", "side": "p", "h": pid[1], "type": pid[2]})
+
+
+def loads(data: str, codec):
+    global _WORKER
+    _WORKER = codec
+    try:
+        return _Unpickler(io.BytesIO(base64.b64decode(data)), codec).load()
+    finally:
+        _WORKER = None
+
+
+def state_of(obj) -> dict:
+    """What the grader takes back of a copy: parameters and buffers of a module (by name), and
+    public attributes."""
+    out = {}
+    if isinstance(obj, torch.nn.Module):
+        for kind, table in (("params", obj._parameters), ("buffers", obj._buffers)):
+            out[kind] = {k: t for k, t in table.items() if t is None or not t.is_meta}
+    attrs = getattr(obj, "__dict__", None)
+    if isinstance(attrs, dict):
+        out["attrs"] = {
+            k: v
+            for k, v in attrs.items()
+            if type(k) is str and not k.startswith("_") and k != "training" and not callable(v)
+        }
+    return out
