@@ -108,3 +108,115 @@ def test_frames_are_validated():
         a.sendall(b"\x00\x00\x00\x02[]")
         with pytest.raises(ProtocolError):
             protocol.receive(b)
+
+
+# --- by value (grader -> worker) and storages (worker -> grader): the new surface ---------------
+
+
+def _linked():
+    """A grader codec that sends modules by value, and the worker codec that reads them."""
+    from qwen_mini.course.grading import byvalue
+
+    worker = Codec("w", lambda h, t: ("parent object", h))
+    grader = Codec("p", Stand)
+    grader.is_remote = lambda obj: type(obj) is Stand
+    grader.pickle = lambda obj: (
+        {"t": "val", "v": byvalue.dumps(obj, grader, grader.is_remote)}
+        if byvalue.by_value(obj)
+        else None
+    )
+    return worker, grader
+
+
+def test_the_grader_never_unpickles_what_the_worker_sends(tmp_path):
+    import base64
+    import os
+    import pickle
+
+    planted = tmp_path / "pwned"
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, (f"touch {planted}",))
+
+    _, grader = _linked()
+    data = base64.b64encode(pickle.dumps(Boom())).decode()
+    for value in ({"t": "val", "v": data}, {"t": "pkg", "v": "qwen_mini.x.y"}):
+        with pytest.raises(ProtocolError):
+            grader.decode(value)
+    assert not planted.exists()
+
+
+def test_a_module_by_value_comes_back_as_the_graders_own_object():
+    from qwen_mini.course.grading import byvalue
+
+    worker, grader = _linked()
+    layer = torch.nn.Linear(2, 2)
+    copy = worker.decode(grader.encode(layer))
+    assert type(copy) is torch.nn.Linear and copy is not layer
+    assert torch.equal(copy.weight, layer.weight)
+    assert grader.decode(worker.encode([copy, copy.weight]))[0] is layer
+    # the learner's code changes the weights of the check's module: refused when applied
+    with torch.no_grad():
+        copy.weight.zero_()
+    state = [[grader.handle(layer), worker.encode(byvalue.state_of(copy))]]
+    with pytest.raises(AssertionError, match="changed weight"):
+        byvalue.apply_state(grader, state, grader.decode)
+    assert layer.weight.abs().sum() > 0
+
+
+def test_a_meta_module_may_be_filled_and_records_come_back():
+    from qwen_mini.course.grading import byvalue
+
+    worker, grader = _linked()
+    with torch.device("meta"):
+        target = torch.nn.Linear(2, 2, bias=False)
+    target.calls = []
+    copy = worker.decode(grader.encode(target))
+    given = worker.decode(grader.encode(torch.ones(2, 2)))  # what a check's callback returned
+    copy.load_state_dict({"weight": given}, assign=True)
+    copy.calls.append(3)
+    state = [[grader.handle(target), worker.encode(byvalue.state_of(copy))]]
+    byvalue.apply_state(grader, state, grader.decode)
+    assert type(target.weight) is torch.nn.Parameter and torch.equal(
+        target.weight, torch.ones(2, 2)
+    )
+    assert target.calls == [3]
+
+
+def test_a_worker_object_cannot_replace_an_attribute_of_the_graders():
+    from qwen_mini.course.grading import byvalue
+
+    worker, grader = _linked()
+    module = torch.nn.Linear(2, 2)
+    module.helper = types_ns = __import__("types").SimpleNamespace(a=1)
+    copy = worker.decode(grader.encode(module))
+    copy.helper = object.__new__(type("Evil", (), {}))  # a learner's object
+    state = [[grader.handle(module), worker.encode(byvalue.state_of(copy))]]
+    with pytest.raises(AssertionError, match="its own objects"):
+        byvalue.apply_state(grader, state, grader.decode)
+    assert module.helper is types_ns
+
+
+def test_views_share_their_storage_and_forged_ones_are_refused():
+    worker, grader = _pair()
+    buf = torch.arange(12.0).reshape(3, 4)
+    a = grader.decode(worker.encode(buf[:2]))
+    b = grader.decode(worker.encode(buf))
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    assert type(a) is torch.Tensor and torch.equal(b, buf)
+    message = worker.encode(buf)
+    message["stride"] = [400, 1]  # reaches past the storage it sent
+    with pytest.raises(ProtocolError):
+        grader.decode(message)
+
+
+def test_a_claim_to_be_the_graders_tensor_needs_its_exact_bytes():
+    worker, grader = _linked()
+    mine = torch.arange(4.0)
+    copy = worker.decode(grader.encode(mine))
+    assert grader.decode(worker.encode(copy)) is mine  # untouched: the grader's own tensor
+    copy.add_(1)  # changed in the worker: a copy with the new values, never the grader's
+    got = grader.decode(worker.encode(copy))
+    assert got is not mine and torch.equal(got, torch.arange(4.0) + 1)
+    assert torch.equal(mine, torch.arange(4.0))

@@ -33,12 +33,13 @@ import torch
 
 from ..checking import CHECKS
 
-
 STATE_OPS = ("call", "getattr", "setattr", "getitem", "setitem", "len", "iter", "next")
 
 
 def _from_checks(module) -> bool:
-    return isinstance(module, str) and module.startswith((CHECKS + ".", "qwen_mini_extra_exercises."))
+    return isinstance(module, str) and module.startswith(
+        (CHECKS + ".", "qwen_mini_extra_exercises.")
+    )
 
 
 def _ours(obj) -> bool:
@@ -116,12 +117,18 @@ def apply_state(codec, states, decode) -> None:
                         continue
                     old = table[name]
                     if t is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
-                        raise AssertionError(f"{name} of a module the check passed in: not a tensor")
-                    if old is not None and not old.is_meta and not (
-                        t is not None
-                        and t.shape == old.shape
-                        and t.dtype == old.dtype
-                        and torch.equal(t.detach(), old.detach())
+                        raise AssertionError(
+                            f"{name} of a module the check passed in: not a tensor"
+                        )
+                    if (
+                        old is not None
+                        and not old.is_meta
+                        and not (
+                            t is not None
+                            and t.shape == old.shape
+                            and t.dtype == old.dtype
+                            and torch.equal(t.detach(), old.detach())
+                        )
                     ):
                         raise AssertionError(
                             f"your code changed {name} of a module the check passed in (its "

@@ -137,6 +137,26 @@ class Zygote:
             self.proc.wait()
 
 
+def _end_user(uid: int, patience: float = 60.0) -> None:
+    """Kill every process of a submission's user id and wait until /proc shows none (the
+    zygote does this already; this covers a zygote that was slow or died meanwhile, whose
+    orphans go to init, which reaps them once killed)."""
+    give_up = time.monotonic() + patience
+    while time.monotonic() < give_up:
+        found = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError):
+                    if os.stat(f"/proc/{entry}").st_uid == uid:
+                        found.append(int(entry))
+        if not found:
+            return
+        for pid in found:
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+        time.sleep(0.02)
+
+
 def _from_checks(module: str) -> bool:
     """Defined in a chapter's check module (or a test fixture's): a fake model or a callback that
     a check hands to the learner's code on purpose."""
@@ -450,6 +470,8 @@ class Connection:
             with contextlib.suppress(OSError):
                 self.sock.close()
             self.ended = self.zygote.end()
+            if self.uid is not None:  # whatever happened to the zygote: none of its uid is left
+                _end_user(self.uid)
             shutil.rmtree(self.cwd, ignore_errors=True)
             self.output.seek(0)
             self.ended["output"] = self.output.read(PROCESS_OUTPUT_CAP)

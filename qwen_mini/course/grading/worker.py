@@ -342,11 +342,14 @@ def _descendants(root: int) -> set[int]:
     return found
 
 
-def sweep(uid: int | None) -> None:
+def sweep(uid: int | None, patience: float = 60.0) -> int:
     """Kill every descendant of this process (orphans are reparented here: a subreaper) and
-    every process of `uid`, until none is left; reap them."""
+    every process of `uid`, until none is left (a machine under load can take seconds to end a
+    fork bomb: the limit is time, not a number of rounds); reap them. How many were left."""
     me = os.getpid()
-    for _ in range(200):
+    give_up = time.monotonic() + patience
+    victims: set[int] = set()
+    while time.monotonic() < give_up:
         victims = _descendants(me)
         if uid is not None:
             victims |= {p for p in _pids() if _uid_of(p) == uid}
@@ -358,8 +361,9 @@ def sweep(uid: int | None) -> None:
                 pass
         _reap()
         if not victims:
-            return
+            return 0
         time.sleep(0.01)
+    return len(victims)
 
 
 def _reap() -> None:
@@ -528,5 +532,5 @@ def serve_zygote(sock_fd: int, chapter: str) -> None:
             code = os.waitstatus_to_exitcode(status)
         except ChildProcessError:
             pass
-        sweep(job.get("uid"))
-        protocol.send(sock, {"exit": code, "stopped": stopped})
+        left = sweep(job.get("uid"))
+        protocol.send(sock, {"exit": code, "stopped": stopped, "left": left})
