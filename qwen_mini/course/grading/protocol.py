@@ -13,6 +13,10 @@ learner text travel escaped). Values cross as plain data of exact types only:
     torch.dtype / device / Size, slice     {"t": "dtype" | "device" | "size" | "slice", "v": ...}
     a dataclass of the package, a SimpleNamespace (grader -> worker only) {"t": "obj" | "ns"}
     a package object by import path (grader -> worker only)              {"t": "pkg", "v": path}
+    a module, a package or check object (grader -> worker only): a pickle the grader writes
+      and only the worker reads, see byvalue.py               {"t": "val", "v": base64}
+    a tensor the grader sent, handed back unchanged: {"t": "tensor", ..., "ph": h}, believed
+      only if its bytes are exactly the grader's tensor's: then it is the grader's own tensor
     a path (grader -> worker only): a copy of the file the worker can read  {"t": "path", "v": ...}
     anything else                          a handle: {"t": "ref", "side": "w" | "p", "h": n}
 
