@@ -9,6 +9,7 @@ Split by concern:
 - `monitor.py`: inside the sandbox, tamper and reference detection (which code runs while an
   exercise is checked);
 - `sandbox.py`: the grader's side of it: starting workers, stand-ins for learner objects;
+- `byvalue.py`: a check's objects sent to the sandbox as copies, and their state brought back;
 - `session.py`: grading one notebook (the checks run here, in the grader);
 - `report.py`: statuses, points, the CSV and the JSON reports;
 - `cli.py`: the command line (`main`), also `python -m qwen_mini.course.grading`.
@@ -20,6 +21,12 @@ checks, the reference values and the comparisons never run where learner code do
 module written with `register` / `public` / `hidden` works unchanged: its functions receive a
 stand-in (`sandbox.Remote`) whose calls, attributes, items and iteration are requests to the
 sandbox, and every tensor the sandbox returns is rebuilt here as a plain `torch.Tensor`.
+
+The other direction is by value (`byvalue.py`): what a check hands to the learner's code (its
+modules, a model to fill, fakes) is pickled here and unpickled in the sandbox, so the learner's
+code gets real objects (`add_module` accepts them, loops iterate them); handed back they are the
+grader's own objects again, and what the learner's code did to them comes back as plain data.
+Tensors from the sandbox keep their storage (views, `data_ptr()` identity).
 """
 
 from .cli import main

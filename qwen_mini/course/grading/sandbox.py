@@ -6,6 +6,12 @@ submission, no account, no groups), in a fresh folder under the system's tempora
 limits on memory, file size and processes. Nothing it does reaches this process except messages
 on its socket, and each of those is validated: a malformed one, a stall past the deadline or a
 dead worker raise `WorkerFault`, which the session turns into that submission's status.
+
+The grader's objects reach a worker in two ways: by value (a module, a package or check object:
+see byvalue.py), or, for what cannot be pickled and the check's own functions, as a handle the
+learner's code calls back through (`_exportable`, `_method_allowed`). A check's own hooks and
+callbacks may be given stand-ins for the learner's objects (`_check_code`); anything else of
+the grader's is called with plain data only.
 """
 
 from __future__ import annotations
