@@ -191,6 +191,7 @@ class Worker:
             if op == "begin":
                 self.codec.from_grader.clear()  # the copies of an earlier exercise's checks
                 self.codec.origin.clear()
+                self.codec.storage_origin.clear()
                 return self.begin(m["ex"])
             if op == "end":
                 hit = self.monitor.stop()
