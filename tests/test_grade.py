@@ -14,6 +14,7 @@ cells replaced. The solution is graded again first and last ("a_first", "z_last"
 not change whatever the submissions graded between them did.
 """
 
+import contextlib
 import csv
 import json
 import os
@@ -29,6 +30,7 @@ from qwen_mini.course import build
 from qwen_mini.course import notebooks as nbs
 from qwen_mini.course.checking import PATH_ENV
 from qwen_mini.course.grading import cli as grade
+from qwen_mini.course.grading import sandbox
 from qwen_mini.course.grading.sandbox import PROCESS_OUTPUT_CAP
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -597,6 +599,16 @@ def _notebook(base: dict, changes: dict) -> dict:
 def _run(folder: Path, out: Path, extra: list[str] = ()) -> int:
     old = os.environ.get(PATH_ENV)
     os.environ[PATH_ENV] = str(FIXTURES / "checks")
+    new_uid = sandbox._new_uid
+    uids = folder / "uids.txt"  # the user ids of this run's submissions (grading forks: a file)
+
+    def recorded() -> int:
+        uid = new_uid()
+        with open(uids, "a") as f:
+            f.write(f"{uid}\n")
+        return uid
+
+    sandbox._new_uid = recorded
     try:
         return grade.main(
             ["--chapter", "98", "--solutions", str(FIXTURES / "solutions"), "--out", str(out)]
@@ -604,6 +616,7 @@ def _run(folder: Path, out: Path, extra: list[str] = ()) -> int:
             + list(extra)
         )
     finally:
+        sandbox._new_uid = new_uid
         if old is None:
             del os.environ[PATH_ENV]
         else:
@@ -710,7 +723,7 @@ def test_learner_code_runs_as_an_unprivileged_user_of_its_own(graded):
 
 
 def test_no_process_of_a_submission_outlives_its_grading(graded):
-    _, rows, _, _, _ = graded
+    _, rows, _, _, folder = graded
     survivors = []
     for cmd in Path("/proc").glob("[0-9]*/cmdline"):
         try:
@@ -719,9 +732,14 @@ def test_no_process_of_a_submission_outlives_its_grading(graded):
         except OSError:
             pass
     assert survivors == []
-    if ROOTED:  # and no process of any submission's user id (see sandbox.Connection)
-        uids = [p.stat().st_uid for p in Path("/proc").glob("[0-9]*")]
-        assert not [u for u in uids if 2_000_000_000 <= u < 2_100_000_000]
+    if ROOTED:  # and no process of any of this run's user ids (see sandbox.Connection)
+        ours = {int(x) for x in (folder / "uids.txt").read_text().split()}
+        assert len(ours) >= len(SUBMISSIONS)  # every submission, a worker of its own uid
+        uids = []  # (other graders on the machine use the same range: only ours count)
+        for p in Path("/proc").glob("[0-9]*"):
+            with contextlib.suppress(OSError):
+                uids.append(p.stat().st_uid)
+        assert not [u for u in uids if u in ours]
 
 
 def test_the_csv_is_the_graders(graded):

@@ -143,6 +143,12 @@ class Zygote:
             self.proc.wait()
 
 
+def _new_uid() -> int:
+    """A user id for one submission: no account has it, and no other submission (of this run
+    or of another grader on the machine) is likely to."""
+    return random.randrange(2_000_000_000, 2_100_000_000)
+
+
 def _end_user(uid: int, patience: float = 60.0) -> None:
     """Kill every process of a submission's user id and wait until /proc shows none (the
     zygote does this already; this covers a zygote that was slow or died meanwhile, whose
@@ -299,7 +305,7 @@ class Connection:
         self.copies: dict[str, str] = {}
         self.deadline = time.monotonic() + 60
         self.request_id, self.depth = 0, 0
-        self.uid = random.randrange(2_000_000_000, 2_100_000_000) if os.geteuid() == 0 else None
+        self.uid = _new_uid() if os.geteuid() == 0 else None
         self.cwd = tempfile.mkdtemp(prefix="qwen-mini-submission-")
         self.output = tempfile.TemporaryFile(dir=zygote.workdir)
         if self.uid is not None:
