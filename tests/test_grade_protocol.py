@@ -171,17 +171,35 @@ def test_a_meta_module_may_be_filled_and_records_come_back():
     worker, grader = _linked()
     with torch.device("meta"):
         target = torch.nn.Linear(2, 2, bias=False)
-    target.calls = []
     copy = worker.decode(grader.encode(target))
     given = worker.decode(grader.encode(torch.ones(2, 2)))  # what a check's callback returned
     copy.load_state_dict({"weight": given}, assign=True)
-    copy.calls.append(3)
-    state = [[grader.handle(target), worker.encode(byvalue.state_of(copy))]]
+    before = worker.snapshots[grader.handle(target)]
+    state = [[grader.handle(target), worker.encode(byvalue.state_of(copy, before))]]
     byvalue.apply_state(grader, state, grader.decode)
     assert type(target.weight) is torch.nn.Parameter and torch.equal(
         target.weight, torch.ones(2, 2)
     )
-    assert target.calls == [3]
+
+
+def test_a_package_state_may_change_its_tensors_and_numbers_only():
+    from qwen_mini.attention import KVCache
+    from qwen_mini.course.grading import byvalue
+
+    worker, grader = _linked()
+    cache = KVCache(1, 2, 4, dtype=torch.float32)
+    h = grader.handle(cache)
+    copy = worker.decode(grader.encode(cache))
+    assert type(copy) is KVCache and copy is not cache
+    copy.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
+    copy.commit(3)
+    state = [[h, worker.encode(byvalue.state_of(copy, worker.snapshots[h]))]]
+    byvalue.apply_state(grader, state, grader.decode)
+    assert cache.length == 3 and torch.equal(cache.k[:, :, :3], torch.ones(1, 2, 3, 4))
+    copy.length = [3]  # not a number: refused
+    state = [[h, worker.encode(byvalue.state_of(copy, worker.snapshots[h]))]]
+    with pytest.raises(AssertionError, match="changed length"):
+        byvalue.apply_state(grader, state, grader.decode)
 
 
 def test_a_worker_object_cannot_replace_an_attribute_of_the_graders():
@@ -192,8 +210,9 @@ def test_a_worker_object_cannot_replace_an_attribute_of_the_graders():
     module.helper = types_ns = __import__("types").SimpleNamespace(a=1)
     copy = worker.decode(grader.encode(module))
     copy.helper = object.__new__(type("Evil", (), {}))  # a learner's object
-    state = [[grader.handle(module), worker.encode(byvalue.state_of(copy))]]
-    with pytest.raises(AssertionError, match="its own objects"):
+    before = worker.snapshots[grader.handle(module)]
+    state = [[grader.handle(module), worker.encode(byvalue.state_of(copy, before))]]
+    with pytest.raises(AssertionError, match="changed helper"):
         byvalue.apply_state(grader, state, grader.decode)
     assert module.helper is types_ns
 

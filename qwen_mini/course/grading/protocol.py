@@ -142,6 +142,7 @@ class Codec:
         self.origin: dict[int, int] = {}  # worker: id(copy) -> the grader's handle
         self.storage_origin: dict[int, int] = {}  # worker: data_ptr -> grader tensor handle
         self.tensor_cache: dict[tuple, torch.Tensor] = {}  # grader: one tensor per worker view
+        self.snapshots: dict[int, dict] = {}  # worker: grader handle -> its attributes as sent
 
     def adopt(self, h, obj) -> None:
         """Worker: `obj` is the copy of the grader's object `h` (by value or as a tensor)."""

@@ -160,7 +160,7 @@ class Worker:
         ):
             try:  # what the learner's code did to the objects the check passed in
                 result["state"] = [
-                    [h, self.codec.encode(byvalue.state_of(obj))]
+                    [h, self.codec.encode(byvalue.state_of(obj, self.codec.snapshots.get(h)))]
                     for h, obj in list(copies.items())
                     if not isinstance(obj, torch.Tensor)
                 ]
@@ -192,6 +192,7 @@ class Worker:
                 self.codec.from_grader.clear()  # the copies of an earlier exercise's checks
                 self.codec.origin.clear()
                 self.codec.storage_origin.clear()
+                self.codec.snapshots.clear()
                 return self.begin(m["ex"])
             if op == "end":
                 hit = self.monitor.stop()
