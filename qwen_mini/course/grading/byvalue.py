@@ -14,12 +14,20 @@ grader: what comes back is plain data, see `protocol.py`):
   they cross as handles and run there, called from the worker;
 - sent again (the grader changed it: `cache.commit(n)`), it updates the worker's copy in place,
   so the learner's code that kept a reference sees the change;
-- after every answer the worker reports the state of the copies it holds (`state_of`), and the
-  grader applies it to the originals (`apply_state`): what the learner's code recorded in a
-  check's fake or cache, the parameters its loader put into an empty (meta) model. It may not
-  change the values of a parameter or buffer that had values (the grader computes expected
-  values with those; such a change fails the check), nor put a stand-in for one of its own
-  objects directly into an attribute (only inside a list, tuple or dict: a record).
+- after every answer the worker reports what changed in the copies it holds (`state_of`:
+  parameters and buffers by name, public attributes that are other objects or containers with
+  other contents than when sent, tensors written in place), and the grader applies it to the
+  originals (`apply_state`), as plain data. Accepted: any attribute of a check's own object (its
+  records: calls, stored keys), tensors and numbers of a package object (a cache's slots and
+  length), the parameters of an empty (meta) model the learner's loader fills. Refused (the check
+  fails): new values for a parameter or buffer that had values (the grader computes expected
+  values with those), any other change to a module or a package object (a tokenizer's tables),
+  and a stand-in for one of the learner's objects put directly into an attribute (only inside a
+  list, tuple or dict: a record, which checks read as data).
+
+What this does not guarantee: a check that hands a package state to the learner's code and then
+computes expected values with it sees the tensors the learner's code wrote there, as in the
+notebook; so do a check's records. Objects that cannot be pickled cross as handles, as before.
 """
 
 from __future__ import annotations
