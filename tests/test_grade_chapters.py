@@ -98,3 +98,69 @@ def test_real_chapter_grades(tmp_path, chapter, stub_cell, stubbed, dependent):
     # a blank notebook answering an exercise with the package's own code earns nothing
     cheated_row = rows[f"{tmp_path.name}/cheat"]
     assert cheated_row[f"{cheated} status"] == "reference" and float(cheated_row["total"]) == 0
+
+
+# chapter 1's model-level checks hand the learner's code their own modules and models (by value)
+ZEROES_THE_CHECKS_WEIGHTS = """import torch
+from torch import nn
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, mixer_name, mixer, mlp, input_layernorm, post_attention_layernorm):
+        super().__init__()
+        with torch.no_grad():  # all weights 0: the layer is then x -> x, if the grader believes it
+            for part in (mixer, mlp, input_layernorm, post_attention_layernorm):
+                for p in part.parameters():
+                    p.zero_()
+        self.mixer_name = mixer_name
+        self.add_module(mixer_name, mixer)
+        self.mlp, self.mixer = mlp, mixer
+        self.input_layernorm = input_layernorm
+        self.post_attention_layernorm = post_attention_layernorm
+
+    def forward(self, x, cos, sin, cache=None):
+        self.mixer(self.input_layernorm(x), cos, sin, cache)
+        self.mlp(self.post_attention_layernorm(x))
+        return x
+
+
+check("ch01.DecoderLayer", DecoderLayer)"""
+
+MODEL_LEVEL_REFERENCES = {
+    "a8000004": "from qwen_mini.decoder import DecoderLayer\n\n"
+    + 'check("ch01.DecoderLayer", DecoderLayer)',
+    "a8000006": "import qwen_mini.decoder as d\n\n\ndef model_forward(*a, **k):\n"
+    '    return d.model_forward(*a, **k)\n\n\ncheck("ch01.model_forward", model_forward)',
+    "a8000008": "from qwen_mini.decoder import load_weights\n\n"
+    + 'check("ch01.load_weights", load_weights)',
+    "a8000010": "from qwen_mini import decoder\n\n\ndef decode(model, prompt, n, **kw):\n"
+    '    yield from decoder.decode(model, prompt, n, **kw)\n\n\ncheck("ch01.decode", decode)',
+}
+
+
+def test_model_level_cheats_score_zero(tmp_path):
+    """The package's own model-level pieces (their checks pass modules, models and fakes into
+    the learner's code) are caught as `reference`; changing the weights of the modules a check
+    passed in (so that the grader's expected value would agree with a wrong layer) fails."""
+    nb = nbs.load(ROOT / "course" / CHAPTERS[1])
+    refs = dict(
+        nb,
+        cells=[
+            dict(c, source=MODEL_LEVEL_REFERENCES.get(c["id"], c["source"])) for c in nb["cells"]
+        ],
+    )
+    (tmp_path / "refs.ipynb").write_text(json.dumps(refs))
+    zero = dict(
+        nb,
+        cells=[
+            dict(c, source=ZEROES_THE_CHECKS_WEIGHTS) if c["id"] == "a8000004" else c
+            for c in nb["cells"]
+        ],
+    )
+    (tmp_path / "zero.ipynb").write_text(json.dumps(zero))
+    rows = _grade(tmp_path, 1, [tmp_path / "refs.ipynb", tmp_path / "zero.ipynb"])
+    refs_row, zero_row = rows[f"{tmp_path.name}/refs"], rows[f"{tmp_path.name}/zero"]
+    for exercise in ("ch01.DecoderLayer", "ch01.model_forward", "ch01.load_weights", "ch01.decode"):
+        assert refs_row[f"{exercise} status"] == "reference", exercise
+    assert float(refs_row["total"]) == 0
+    assert zero_row["ch01.DecoderLayer status"] == "failed" and float(zero_row["total"]) == 0
