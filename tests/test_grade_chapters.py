@@ -164,3 +164,8 @@ def test_model_level_cheats_score_zero(tmp_path):
         assert refs_row[f"{exercise} status"] == "reference", exercise
     assert float(refs_row["total"]) == 0
     assert zero_row["ch01.DecoderLayer status"] == "failed" and float(zero_row["total"]) == 0
+    report = json.loads((tmp_path / "reports" / "zero.json").read_text())
+    assert (
+        "changed weight of a module the check passed in"
+        in (report["exercises"]["ch01.DecoderLayer"]["message"])
+    )
