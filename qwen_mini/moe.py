@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qwen_mini.config import Config
 from qwen_mini.foundations import MLP
 
 
@@ -206,12 +207,14 @@ def split_mlp(mlp: MLP, num_experts: int) -> nn.ModuleList:
     return experts.to(mlp.gate_proj.weight.dtype)
 
 
-def is_sparse_layer(
-    layer_idx: int, num_experts: int, decoder_sparse_step: int, mlp_only_layers: Sequence[int] = ()
-) -> bool:
-    """Whether decoder layer layer_idx has a MoE block (else a dense MLP), as Qwen3-MoE decides."""
-    return (
-        layer_idx not in mlp_only_layers
-        and num_experts > 0
-        and (layer_idx + 1) % decoder_sparse_step == 0
+def qwen3_moe_mlp(cfg: Config, layer_idx: int) -> nn.Module:
+    """The feed-forward block of a qwen3_moe model's layer layer_idx."""
+    if not cfg.is_sparse_layer(layer_idx):
+        return MLP(cfg.hidden_size, cfg.intermediate_size)
+    return SparseMoeBlock(
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        cfg.num_experts,
+        cfg.num_experts_per_tok,
+        cfg.norm_topk_prob,
     )

@@ -7,7 +7,6 @@ import torch
 from transformers import Qwen3_5MoeTextConfig, Qwen3MoeConfig, Qwen3NextConfig
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import (
-    Qwen3MoeDecoderLayer,
     Qwen3MoeSparseMoeBlock,
     load_balancing_loss_func,
 )
@@ -144,29 +143,6 @@ def test_sparse_block_bfloat16_close_to_transformers():
     assert got.dtype == torch.bfloat16
     # same routing (the router softmax is float32 in both); experts summed in another order
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
-
-
-@pytest.mark.parametrize(
-    "sparse_step, mlp_only, E",
-    [(1, [], 4), (2, [], 4), (1, [0, 2], 4), (3, [1], 8), (1, [], 0)],
-)
-def test_sparse_layer_rule_matches_transformers(sparse_step, mlp_only, E):
-    cfg = Qwen3MoeConfig(
-        hidden_size=16,
-        intermediate_size=24,
-        moe_intermediate_size=8,
-        num_hidden_layers=6,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        num_experts=E,
-        num_experts_per_tok=min(2, max(E, 1)),
-        decoder_sparse_step=sparse_step,
-        mlp_only_layers=mlp_only,
-    )
-    for i in range(6):
-        hf_sparse = isinstance(Qwen3MoeDecoderLayer(cfg, i).mlp, Qwen3MoeSparseMoeBlock)
-        assert moe.is_sparse_layer(i, E, sparse_step, mlp_only) == hf_sparse, i
 
 
 # --- routing --------------------------------------------------------------------------------------
