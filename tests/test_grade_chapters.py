@@ -52,6 +52,11 @@ CHEATS = {
         "import qwen_mini.attention\n\n\nclass Attention(qwen_mini.attention.Attention):\n"
         '    pass\n\n\ncheck("ch01.Attention", Attention)',
     ),
+    3: (
+        "0c9192cc",
+        "ch03.route",
+        'from qwen_mini.moe import route\n\ncheck("ch03.route", route)',
+    ),
 }
 
 

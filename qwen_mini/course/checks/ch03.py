@@ -162,77 +162,83 @@ def _(route):
 # --- grouped_dispatch -----------------------------------------------------------------------------
 
 
-class _CountingExpert:
-    """A linear expert that records how often and on how many rows it is called."""
+def _experts(n: int, h: int, seed: int) -> tuple[list[nn.Module], dict]:
+    """n non-linear experts (tanh of a linear map: a sum of inputs would not pass) as plain torch
+    modules, and a record of how often and on how many rows each is called (forward hooks)."""
+    g, experts, calls = seeded(seed), [], {}
+    for e in range(n):
+        linear = nn.Linear(h, h, bias=False)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(h, h, generator=g) / h**0.5)
+        expert = nn.Sequential(linear, nn.Tanh())
+        calls[e] = [0, 0]
 
-    def __init__(self, weight: torch.Tensor):
-        self.weight, self.calls, self.rows = weight, 0, 0
+        def count(module, inputs, output, e=e):
+            calls[e][0] += 1
+            calls[e][1] += inputs[0].shape[0]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        self.rows += x.shape[0]
-        return torch.tanh(x @ self.weight)  # non-linear: a sum of inputs would not pass
-
-
-def _experts(n: int, h: int, seed: int) -> list[_CountingExpert]:
-    return [_CountingExpert(randn(h, h, seed=seed + e) / h**0.5) for e in range(n)]
-
-
-def _plain(expert: _CountingExpert):
-    def fn(x):
-        return torch.tanh(x @ expert.weight)
-
-    return fn
+        expert.register_forward_hook(count)
+        experts.append(expert)
+    return experts, calls
 
 
-def _expect_dispatch(dispatch, n, h, e, k, seed, what, check_calls=True):
+def _apply(expert: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The expert's function, computed here without calling (and counting) the module."""
+    return torch.tanh(x @ expert[0].weight.T)
+
+
+def _expect_dispatch(dispatch, n, h, e, k, seed, what):
     x = randn(n, h, seed=seed)
     logits = randn(n, e, seed=seed + 1) * 2
     weights, idx = ref.route(logits, k, True)
-    experts = _experts(e, h, seed + 2)
-    want = torch.zeros_like(x)
-    for t in range(n):  # the definition, token by token (uncounted copies of the experts)
-        for s in range(k):
-            want[t] += weights[t, s] * _plain(experts[int(idx[t, s])])(x[t : t + 1])[0]
-    got = dispatch(x, weights, idx, experts)
+    experts, calls = _experts(e, h, seed + 2)
+    want, unweighted = torch.zeros_like(x), torch.zeros_like(x)
+    with torch.no_grad():
+        for t in range(n):  # the definition, token by token
+            for s in range(k):
+                y = _apply(experts[int(idx[t, s])], x[t : t + 1])[0]
+                want[t] += weights[t, s] * y
+                unweighted[t] += y
+        got = dispatch(x, weights, idx, experts)
     expect_equal(f"{what}: output shape", tuple(got.shape), (n, h))
-    unweighted = torch.zeros_like(x)
-    for t in range(n):
-        for s in range(k):
-            unweighted[t] += _plain(experts[int(idx[t, s])])(x[t : t + 1])[0]
     if not _close(want, unweighted) and _close(got, unweighted):
         raise AssertionError(
             f"{what}: the outputs are summed without their routing weights; multiply each "
             "expert's output by the token's weight for that expert"
         )
     expect_close(f"{what}: output vs the token-by-token definition", got, want, atol=1e-5)
-    if check_calls:
-        chosen = set(idx.flatten().tolist())
-        for j, expert in enumerate(experts):
-            if j not in chosen and expert.calls:
-                raise AssertionError(
-                    f"{what}: expert {j} was chosen by no token but was called: run only the "
-                    "experts that received tokens"
-                )
-            if expert.calls > 1:
-                raise AssertionError(
-                    f"{what}: expert {j} was called {expert.calls} times; group its tokens and "
-                    "call it once (one call per expert, not per token or per slot)"
-                )
-            expected_rows = int((idx == j).sum())
-            if expert.calls and expert.rows != expected_rows:
-                raise AssertionError(
-                    f"{what}: expert {j} ran on {expert.rows} rows; it was chosen by "
-                    f"{expected_rows} tokens, so it should see exactly those rows (not the whole "
-                    "batch, as a dense masked dispatch would)"
-                )
+    chosen = set(idx.flatten().tolist())
+    for j in range(e):
+        n_calls, rows = calls[j]
+        if j not in chosen and n_calls:
+            raise AssertionError(
+                f"{what}: expert {j} was chosen by no token but was called: run only the "
+                "experts that received tokens"
+            )
+        if n_calls > 1:
+            raise AssertionError(
+                f"{what}: expert {j} was called {n_calls} times; group its tokens and call it "
+                "once (one call per expert, not per token or per slot)"
+            )
+        expected_rows = int((idx == j).sum())
+        if n_calls and rows != expected_rows:
+            raise AssertionError(
+                f"{what}: expert {j} ran on {rows} rows; it was chosen by {expected_rows} "
+                "tokens, so it should see exactly those rows (not the whole batch, as a dense "
+                "masked dispatch would)"
+            )
 
 
 @public("ch03.grouped_dispatch")
 def _(grouped_dispatch):
     """hand-worked: 2 tokens, 3 experts that scale their input, k = 2"""
     x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
-    experts = [lambda v: 10 * v, lambda v: 100 * v, lambda v: 1000 * v]
+    experts = []
+    for scale in (10.0, 100.0, 1000.0):
+        expert = nn.Linear(2, 2, bias=False)
+        with torch.no_grad():
+            expert.weight.copy_(scale * torch.eye(2))
+        experts.append(expert)
     weights = torch.tensor([[0.75, 0.25], [0.5, 0.5]])
     idx = torch.tensor([[2, 0], [0, 1]])
     # token 0: 0.75 * 1000 x0 + 0.25 * 10 x0 = 752.5 x0; token 1: 0.5 * 10 x1 + 0.5 * 100 x1
