@@ -16,6 +16,7 @@ from torch import nn
 from .attention import Attention
 from .config import Config
 from .foundations import MLP, RMSNorm
+from .moe import qwen3_moe_mlp
 
 # the checkpoint's name for a layer's mixer, by the layer type config.json gives it
 MIXER_ATTRIBUTE = {"full_attention": "self_attn", "linear_attention": "linear_attn"}
@@ -40,4 +41,8 @@ class Architecture:
 ARCHITECTURES: dict[str, Architecture] = {
     "qwen2": Architecture(mixers={"full_attention": Attention}, mlp=dense_mlp, qkv_bias=True),
     "qwen3": Architecture(mixers={"full_attention": Attention}, mlp=dense_mlp, qk_norm=True),
+    # Qwen3 with a mixture of experts in the feed-forward of the layers config.json names
+    "qwen3_moe": Architecture(
+        mixers={"full_attention": Attention}, mlp=qwen3_moe_mlp, qk_norm=True
+    ),
 }

@@ -13,10 +13,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 # model_type -> (transformers config class, model class): a new architecture adds its pair here
-HF_CLASSES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+HF_CLASSES = {
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+}
 
 # The one tiny config: small enough to write in milliseconds; grouped KV heads (4 query heads
 # share 2 KV heads); Qwen3 gets head_dim 16 != hidden / heads, as the real one has 128 != 64.
@@ -34,7 +45,9 @@ TINY = dict(
 
 def tiny_config(model_type: str = "qwen3", **overrides) -> dict:
     """A tiny config.json (as a dict) of `model_type`; overrides change or add any field."""
-    extra = {"head_dim": 16} if model_type == "qwen3" else {}
+    extra = {"head_dim": 16} if model_type in ("qwen3", "qwen3_moe") else {}
+    if model_type == "qwen3_moe":  # 4 experts of width 16, two per token, every layer sparse
+        extra.update(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
     return {"model_type": model_type, **TINY, **extra, **overrides}
 
 

@@ -12,7 +12,12 @@ from qwen_mini.course import notebooks as nbs
 from qwen_mini.course.grading import cli as grade
 
 ROOT = Path(__file__).resolve().parent.parent
-CHAPTERS = {0: "ch00_foundations.ipynb", 1: "ch01_attention.ipynb", 4: "ch04_thinking.ipynb"}
+CHAPTERS = {
+    0: "ch00_foundations.ipynb",
+    1: "ch01_attention.ipynb",
+    3: "ch03_moe.ipynb",
+    4: "ch04_thinking.ipynb",
+}
 
 
 def _mixed(folder: Path, chapter: int, stub_cell: str) -> Path:
@@ -47,6 +52,11 @@ CHEATS = {
         "import qwen_mini.attention\n\n\nclass Attention(qwen_mini.attention.Attention):\n"
         '    pass\n\n\ncheck("ch01.Attention", Attention)',
     ),
+    3: (
+        "0c9192cc",
+        "ch03.route",
+        'from qwen_mini.moe import route\n\ncheck("ch03.route", route)',
+    ),
     4: (
         "c4000011",
         "ch04.render_turn",
@@ -73,6 +83,7 @@ def _grade(tmp_path: Path, chapter: int, files: list[Path]) -> dict[str, dict]:
         (0, "6a366c8d", "ch00.rotate_half", "ch00.apply_rope"),
         (1, "a988864a", "ch01.repeat_kv", "ch01.Attention"),
         (1, "a8000004", "ch01.DecoderLayer", "ch01.decode"),  # the model-level exercises
+        (3, "1fc59484", "ch03.routing_statistics", "ch03.load_balancing_loss"),
         (4, "c4000011", "ch04.render_turn", "ch04.render_prompt"),
     ],
 )

@@ -52,6 +52,25 @@ CASES = [
                       tied=False, shard="40KB"), id="qwen2-mqa-untied-sharded"),
     pytest.param(dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=4,
                       tied=True), id="qwen2-mha-tied-single"),
+    # qwen3_moe: every layer sparse, 8 experts, top-2, renormalised
+    pytest.param(dict(model_type="qwen3_moe", num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, tied=False), id="qwen3_moe-e8k2-norm-untied"),
+    # top-1 of 4 without renormalisation (weights are the full-softmax probabilities), sharded
+    pytest.param(dict(model_type="qwen3_moe", num_attention_heads=4, num_key_value_heads=1,
+                      head_dim=16, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=24,
+                      norm_topk_prob=False, tied=True, shard="40KB"),
+                 id="qwen3_moe-e4k1-nonorm-tied-sharded"),
+    # 4 layers, every 2nd sparse, layer 3 dense by mlp_only_layers: only layer 1 has experts
+    pytest.param(dict(model_type="qwen3_moe", num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, num_hidden_layers=4, num_experts=16, num_experts_per_tok=4,
+                      moe_intermediate_size=16, decoder_sparse_step=2, mlp_only_layers=[3],
+                      norm_topk_prob=False, tied=False), id="qwen3_moe-e16k4-step2-mlponly"),
+    # 3 layers, layer 0 dense; k = 3 of 5, renormalised
+    pytest.param(dict(model_type="qwen3_moe", num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, num_hidden_layers=3, num_experts=5, num_experts_per_tok=3,
+                      moe_intermediate_size=16, mlp_only_layers=[0], norm_topk_prob=True,
+                      tied=True), id="qwen3_moe-e5k3-norm-layer0dense"),
 ]  # fmt: skip
 
 
