@@ -37,6 +37,8 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
 LENGTHS = [1, 3, 63, 64, 65, 200, 1000]
 CHUNKS = [16, 32, 64]
 
@@ -86,7 +88,9 @@ def naive_rule(q, k, v, g, beta, state=None):
     for b in range(B):
         for j in range(H_v):
             h = j // ratio  # the key head of value head j (interleaved groups)
-            S = torch.zeros(d_k, d_v, dtype=torch.float64) if state is None else state[b, j].double()
+            S = torch.zeros(d_k, d_v, dtype=torch.float64)
+            if state is not None:
+                S = state[b, j].double()
             for t in range(T):
                 S = torch.exp(g[b, t, j]) * S
                 err = v[b, t, j] - S.T @ k[b, t, h]
@@ -104,7 +108,8 @@ def max_diff(a, b) -> float:
 @pytest.mark.parametrize("ratio", [1, 2])
 @pytest.mark.parametrize("with_state", [False, True])
 def test_recurrent_equals_naive_float64_loop(T, ratio, with_state):
-    q, k, v, g, beta, s0 = make_inputs(T, 2, ratio, "realistic", d_k=8, d_v=4, with_state=with_state)
+    inputs = make_inputs(T, 2, ratio, "realistic", d_k=8, d_v=4, with_state=with_state)
+    q, k, v, g, beta, s0 = inputs
     expected_out, expected_state = naive_rule(q, k, v, g, beta, s0)
     out, state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0)
     assert out.shape == (2, T, 2 * ratio, 4) and state.shape == (2, 2 * ratio, 8, 4)

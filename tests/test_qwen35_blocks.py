@@ -265,7 +265,8 @@ def test_gated_attention_with_a_kv_state_in_pieces():
     cos, sin = rope_cos_sin(torch.arange(9), 4, 10000.0)
     kv = OneLayerKV()
     with torch.no_grad():
-        outs = [ours(x[:, a:b], cos[a:b], sin[a:b], kv) for a, b in [(0, 3), (3, 5), (5, 6), (6, 9)]]
+        pieces = [(0, 3), (3, 5), (5, 6), (6, 9)]
+        outs = [ours(x[:, a:b], cos[a:b], sin[a:b], kv) for a, b in pieces]
         assert max_diff(torch.cat(outs, 1), hf_attention(ref, cfg, x)) < TOL
 
 
