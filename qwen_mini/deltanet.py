@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qwen_mini.attention import causal_mask, merge_heads, repeat_kv
+from qwen_mini.attention import KVCache, causal_mask, merge_heads, repeat_kv
+from qwen_mini.config import Config
 from qwen_mini.foundations import apply_rope
 
 
@@ -267,8 +268,10 @@ class DeltaNetState:
     conv [B, conv_dim, K-1]: the last K-1 inputs of the causal conv (model dtype).
     recurrent [B, H_v, d_k, d_v]: the delta-rule state (float32).
     `update` only stages the new states; `commit` makes them current, `discard` drops them, so
-    a pass that fails half-way leaves the memory of the tokens before it.
+    a pass that fails half-way leaves the memory of the tokens before it (qwen_mini/cache.py).
     """
+
+    can_rewind = False  # every token is folded into one matrix: no going back to a prefix
 
     def __init__(self, batch_size, conv_dim, kernel_size, n_heads, d_k, d_v, dtype, device):
         self.conv = torch.zeros(batch_size, conv_dim, kernel_size - 1, dtype=dtype, device=device)
@@ -278,15 +281,16 @@ class DeltaNetState:
         self.length = 0  # tokens committed
         self._staged = None
 
-    def update(self, conv: torch.Tensor, recurrent: torch.Tensor, n_new: int) -> None:
-        """Stage the states after n_new more tokens (new tensors; the current ones stay)."""
-        self._staged = (conv, recurrent.float(), n_new)
+    def update(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Stage the states after this pass (new tensors; the current ones stay as they are)."""
+        self._staged = (conv, recurrent.float())
 
-    def commit(self) -> None:
+    def commit(self, n_tokens: int) -> None:
+        """The pass over n_tokens finished in every layer: its states become the current ones."""
         if self._staged is not None:
-            self.conv, self.recurrent, n_new = self._staged
-            self.length += n_new
+            self.conv, self.recurrent = self._staged
             self._staged = None
+        self.length += n_tokens
 
     def discard(self) -> None:
         self._staged = None
@@ -311,7 +315,7 @@ class GatedDeltaNet(nn.Module):
     gated delta rule -> GatedRMSNorm(., z = in_proj_z x) -> out_proj.
     """
 
-    def __init__(self, cfg, layer_idx: int = 0):
+    def __init__(self, cfg: Config, layer_idx: int = 0):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_k, self.n_v = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -377,7 +381,7 @@ class GatedDeltaNet(nn.Module):
         else:  # a prompt or a piece of one: chunks, continuing from the cached state
             out, new_state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state)
         if cache is not None:
-            cache.update(new_conv, new_state, T)
+            cache.update(new_conv, new_state)
 
         z = self.in_proj_z(x).reshape(B, T, self.n_v, self.d_v)
         out = self.norm(out.to(x.dtype), z)  # [B, T, H_v, d_v]
@@ -394,20 +398,23 @@ class GatedAttention(nn.Module):
     """Qwen3.5's full attention: grouped-query attention with zero-centred QK-Norm, partial RoPE
     and an output gate. q_proj makes 2 * head_dim per head, query then gate: [.., H, 2D]."""
 
-    def __init__(self, cfg, layer_idx: int = 0):
+    def __init__(self, cfg: Config, layer_idx: int = 0):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = D = cfg.head_dim
-        hidden, bias = cfg.hidden_size, getattr(cfg, "attention_bias", False)
-        self.q_proj = nn.Linear(hidden, self.n_heads * D * 2, bias=bias)
+        hidden, bias = cfg.hidden_size, cfg.qkv_bias
+        self.q_proj = nn.Linear(hidden, self.n_heads * D * 2, bias=bias)  # query and gate
         self.k_proj = nn.Linear(hidden, self.n_kv_heads * D, bias=bias)
         self.v_proj = nn.Linear(hidden, self.n_kv_heads * D, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * D, hidden, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * D, hidden, bias=cfg.o_bias)
         self.q_norm = ZeroCentredRMSNorm(D, cfg.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(D, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache=None):
+    def new_state(self, batch_size: int, dtype: torch.dtype, device=None) -> KVCache:
+        return KVCache(batch_size, self.n_kv_heads, self.head_dim, dtype, device)
+
+    def forward(self, x, cos, sin, cache: KVCache | None = None):
         """x [B, T, hidden] -> [B, T, hidden]; cos, sin [T, rotary_dim] (rotary_dim <= head_dim)."""
         B, T, _ = x.shape
         D = self.head_dim

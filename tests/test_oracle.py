@@ -18,8 +18,7 @@ import json
 
 import pytest
 import torch
-from helpers import write_checkpoint
-from transformers import AutoModelForCausalLM
+from helpers import HF_CLASSES, write_checkpoint
 
 import qwen_mini
 import qwen_mini.architectures
@@ -52,6 +51,15 @@ CASES = [
                       tied=False, shard="40KB"), id="qwen2-mqa-untied-sharded"),
     pytest.param(dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=4,
                       tied=True), id="qwen2-mha-tied-single"),
+    # Qwen3.5 (3 Gated DeltaNet : 1 gated attention), multimodal checkpoint: text under
+    # model.language_model., a vision tower to ignore; two value heads per key head
+    pytest.param(dict(model_type="qwen3_5", tied=True), id="qwen3_5-tied-single"),
+    pytest.param(dict(model_type="qwen3_5", tied=False, shard="40KB"),
+                 id="qwen3_5-untied-sharded"),
+    # text-only checkpoint (Qwen3_5ForCausalLM); one value head per key head
+    pytest.param(dict(model_type="qwen3_5_text", tied=True, linear_num_value_heads=2),
+                 id="qwen3_5_text-hv1-tied"),
+    pytest.param(dict(model_type="qwen3_5_text", tied=False), id="qwen3_5_text-untied"),
 ]  # fmt: skip
 
 
@@ -82,7 +90,8 @@ def pair(request, tmp_path_factory):
         assert len(set(index["weight_map"].values())) > 1
 
     ours = qwen_mini.load_model(folder, dtype=torch.float32).eval()
-    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    # the class that wrote it (the Auto class would read a multimodal Qwen3.5 as text-only)
+    ref = HF_CLASSES[model_type][1].from_pretrained(folder, dtype=torch.float32).eval()
     assert ours.config.tie_word_embeddings == ref.config.tie_word_embeddings == tied
     yield ours, ref
     del ours, ref

@@ -11,6 +11,7 @@ import torch
 from transformers import Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
+from qwen_mini.config import Config
 from qwen_mini.deltanet import (
     DeltaNetState,
     GatedAttention,
@@ -75,11 +76,16 @@ def randomize(module: torch.nn.Module, seed: int = 0) -> None:
                 p.copy_(0.2 * noise)
 
 
+def ours_config(cfg: Qwen3_5TextConfig) -> Config:
+    """The same config as qwen_mini reads it from config.json."""
+    return Config.from_dict(cfg.to_dict())
+
+
 def deltanet_pair(value_heads: int = 4, seed: int = 0):
     cfg = tiny_config(value_heads)
     ref = hf.Qwen3_5GatedDeltaNet(cfg, 0).eval()
     randomize(ref, seed)
-    ours = GatedDeltaNet(cfg, 0).eval()
+    ours = GatedDeltaNet(ours_config(cfg), 0).eval()
     ours.load_state_dict(ref.state_dict())  # strict: every checkpoint key has its parameter
     return ours, ref
 
@@ -140,7 +146,7 @@ def test_deltanet_pieces_with_state_equal_the_whole(pieces):
     with torch.no_grad():
         for n in sizes:
             outs.append(ours(x[:, start : start + n], cache=state))
-            state.commit()
+            state.commit(n)
             start += n
         whole = ref(x)
     assert state.length == sum(sizes)
@@ -155,7 +161,7 @@ def test_restarting_from_an_empty_state_would_differ():
         whole = ours(x)
         state = ours.new_state(2, torch.float32)
         ours(x[:, :6], cache=state)
-        state.commit()
+        state.commit(6)
         no_conv = ours.new_state(2, torch.float32)
         no_conv.recurrent = state.recurrent
         no_recurrent = ours.new_state(2, torch.float32)
@@ -171,13 +177,12 @@ def test_deltanet_state_stages_until_commit_and_discard_keeps_it():
     state = ours.new_state(2, torch.float32)
     with torch.no_grad():
         ours(x[:, :5], cache=state)
-        state.commit()
+        state.commit(5)
         conv, recurrent = state.conv.clone(), state.recurrent.clone()
         ours(x[:, 5:], cache=state)  # staged only
         assert state.length == 5
         assert torch.equal(state.conv, conv) and torch.equal(state.recurrent, recurrent)
         state.discard()  # a later layer failed: this pass never happened
-        state.commit()  # nothing staged: no change
         assert state.length == 5 and torch.equal(state.recurrent, recurrent)
         # and the pass after the failure continues from the 5 committed tokens
         after = ours(x[:, 5:], cache=state)
@@ -222,21 +227,9 @@ def attention_pair(seed: int = 0):
     cfg._attn_implementation = "eager"
     ref = hf.Qwen3_5Attention(cfg, 3).eval()
     randomize(ref, seed)
-    ours = GatedAttention(cfg, 3).eval()
+    ours = GatedAttention(ours_config(cfg), 3).eval()
     ours.load_state_dict(ref.state_dict())
     return ours, ref, cfg
-
-
-class OneLayerKV:
-    """The KV state protocol (update(k, v) -> all keys and values so far), for this test."""
-
-    def __init__(self):
-        self.k = self.v = None
-
-    def update(self, k, v):
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        return self.k, self.v
 
 
 def hf_attention(ref, cfg, x, start: int = 0):
@@ -263,10 +256,12 @@ def test_gated_attention_with_a_kv_state_in_pieces():
     ours, ref, cfg = attention_pair()
     x = x_input(9)
     cos, sin = rope_cos_sin(torch.arange(9), 4, 10000.0)
-    kv = OneLayerKV()
+    kv = ours.new_state(2, torch.float32)
+    outs = []
     with torch.no_grad():
-        pieces = [(0, 3), (3, 5), (5, 6), (6, 9)]
-        outs = [ours(x[:, a:b], cos[a:b], sin[a:b], kv) for a, b in pieces]
+        for a, b in [(0, 3), (3, 5), (5, 6), (6, 9)]:
+            outs.append(ours(x[:, a:b], cos[a:b], sin[a:b], kv))
+            kv.commit(b - a)
         assert max_diff(torch.cat(outs, 1), hf_attention(ref, cfg, x)) < TOL
 
 
