@@ -92,14 +92,26 @@ def hf_config(model_type: str = "qwen3", **overrides):
     return config_cls(**fields)
 
 
+ZERO_CENTRED_NORMS = ("Qwen3_5RMSNorm", "ZeroCentredRMSNorm")  # transformers', qwen_mini's
+
+
 def randomize(model: torch.nn.Module, seed: int = 0, std: float = 0.2) -> torch.nn.Module:
     """Weights large enough that logits differ clearly (the default init gives near-zero logits,
     which would let a wrong implementation pass a tolerance check). Norms stay near 1."""
     g = torch.Generator().manual_seed(seed)
+    # Qwen3.5's norms scale by (1 + weight): their "near 1" is a weight near 0
+    zero_centred = {
+        f"{module_name}.weight" if module_name else "weight"
+        for module_name, module in model.named_modules()
+        if type(module).__name__ in ZERO_CENTRED_NORMS
+    }
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name else std * noise)
+            if name in zero_centred:
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(1 + 0.1 * noise if "norm" in name else std * noise)
     return model
 
 
