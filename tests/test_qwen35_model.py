@@ -226,3 +226,45 @@ def test_real_qwen3_5_shape_in_bfloat16(tmp_path):
         cache = ours.new_cache(batch_size=1)
         pieces = [ours(ids[:, a:b], cache=cache) for a, b in [(0, 5), (5, 6), (6, 12)]]
         assert max_diff(torch.cat(pieces, dim=1), expected) <= TOL
+
+
+# --- the stand-in for load_model("Qwen/Qwen3.5-0.8B") without the weights --------------------
+
+
+def test_standin_has_the_real_qwen3_5_design_and_matches_transformers(tmp_path):
+    from transformers import Qwen3_5ForCausalLM
+
+    from qwen_mini.config import Config
+    from qwen_mini.standin import STANDINS, load_standin
+
+    name = "Qwen/Qwen3.5-0.8B"
+    model = load_standin(name, torch.float32)
+    ours, real = model.config, Config.from_file(CONFIGS / "qwen3.5-0.8b" / "config.json")
+    for field in ("model_type", "vocab_size", "rope_theta", "max_position_embeddings",
+                  "tie_word_embeddings", "partial_rotary_factor", "attn_output_gate",
+                  "linear_conv_kernel_dim", "eos_token_ids", "dtype"):  # fmt: skip
+        assert getattr(ours, field) == getattr(real, field), field
+    assert ours.layer_types == real.layer_types[: ours.num_hidden_layers]  # 3 : 1
+    assert ours.linear_num_value_heads == ours.linear_num_key_heads  # as 16 and 16
+    assert model.generation_config == {}  # the official repository has none
+    ids = torch.tensor([[248045, 846, 198, 9707, 248046, 248044]])
+    with torch.inference_mode():
+        logits = model(ids)
+        assert torch.equal(logits, load_standin(name, torch.float32)(ids))  # deterministic
+        cache = model.new_cache(1)
+        pieces = torch.cat([model(ids[:, :4], cache=cache), model(ids[:, 4:], cache=cache)], 1)
+        assert max_diff(pieces, logits) <= TOL
+    assert logits.std() > 0.1
+    # a valid text-only checkpoint of the architecture: transformers computes the same logits
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = {**STANDINS[name]["config"], "model_type": "qwen3_5_text"}
+    config["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": config.pop("rope_theta"),
+        "partial_rotary_factor": config.pop("partial_rotary_factor"),
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ref = Qwen3_5ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        assert max_diff(logits, ref(ids).logits) <= TOL
