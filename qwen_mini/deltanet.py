@@ -1,3 +1,6 @@
+# Generated from solutions/ch05_deltanet.ipynb by python -m qwen_mini.course.build —
+# edit the notebook, not this file.
+
 """Chapter 5: the gated delta rule (recurrent and chunkwise), Gated DeltaNet and Qwen3.5's gated
 full attention.
 
@@ -32,6 +35,19 @@ def expand_key_heads(x: torch.Tensor, n_value_heads: int) -> torch.Tensor:
     """[B, T, H_k, d] -> [B, T, H_v, d]: value head j gets key head j // (H_v / H_k)."""
     ratio = n_value_heads // x.shape[2]
     return x.repeat_interleave(ratio, dim=2)  # heads 0,0,1,1,...: neighbours share a key head
+
+
+def recurrent_step(S, q, k, v, g, beta):
+    """One token of the gated delta rule for every (batch, head): returns (o, S_new).
+
+    S [B, H, d_k, d_v]; q, k [B, H, d_k]; v [B, H, d_v]; g, beta [B, H] (all float32).
+    """
+    S = S * g.exp()[..., None, None]  # decay first: the old memory fades by exp(g) <= 1
+    predicted = (k[..., None, :] @ S).squeeze(-2)  # [B, H, d_v]: what S recalls for key k
+    u = beta[..., None] * (v - predicted)  # delta rule: write only the error, scaled by beta
+    S = S + k[..., :, None] * u[..., None, :]  # rank-one write k u^T
+    o = (q[..., None, :] @ S).squeeze(-2)  # [B, H, d_v]: read after the write
+    return o, S
 
 
 def _check_shapes(q, k, v, g, beta, initial_state):
@@ -71,19 +87,6 @@ def _start_state(initial_state, q, v) -> torch.Tensor:
     if initial_state is None:
         return q.new_zeros(q.shape[0], q.shape[1], q.shape[-1], v.shape[-1])  # [B, H, d_k, d_v]
     return initial_state.to(q.dtype)
-
-
-def recurrent_step(S, q, k, v, g, beta):
-    """One token of the gated delta rule for every (batch, head): returns (o, S_new).
-
-    S [B, H, d_k, d_v]; q, k [B, H, d_k]; v [B, H, d_v]; g, beta [B, H] (all float32).
-    """
-    S = S * g.exp()[..., None, None]  # decay first: the old memory fades by exp(g) <= 1
-    predicted = (k[..., None, :] @ S).squeeze(-2)  # [B, H, d_v]: what S recalls for key k
-    u = beta[..., None] * (v - predicted)  # delta rule: write only the error, scaled by beta
-    S = S + k[..., :, None] * u[..., None, :]  # rank-one write k u^T
-    o = (q[..., None, :] @ S).squeeze(-2)  # [B, H, d_v]: read after the write
-    return o, S
 
 
 def recurrent_gated_delta_rule(
@@ -208,7 +211,18 @@ def chunk_gated_delta_rule(
     return out.transpose(1, 2).to(dtype), S
 
 
-# --- the Qwen3.5 blocks ------------------------------------------------------------------------
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution that continues from a state.
+
+    x [B, C, T] new inputs; weight [C, 1, K] (one K-tap filter per channel); conv_state
+    [B, C, K-1] the inputs of the K-1 tokens before x (zeros at the start of a sequence).
+    Returns (y [B, C, T], new state [B, C, K-1] = the last K-1 inputs seen).
+    """
+    full = torch.cat([conv_state.to(x.dtype), x], dim=-1)  # [B, C, K-1+T]: history, then x
+    y = F.conv1d(full, weight, groups=x.shape[1])  # no padding: output t sees inputs t..t+K-1
+    return y, full[:, :, full.shape[-1] - conv_state.shape[-1] :]
 
 
 class ZeroCentredRMSNorm(nn.Module):
@@ -246,20 +260,6 @@ class GatedRMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         x = self.weight * x32.to(dtype)  # normalise first, then the learned scale ...
         return (x * F.silu(z.float())).to(dtype)  # ... then the gate (in float32)
-
-
-def causal_conv1d(
-    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal convolution that continues from a state.
-
-    x [B, C, T] new inputs; weight [C, 1, K] (one K-tap filter per channel); conv_state
-    [B, C, K-1] the inputs of the K-1 tokens before x (zeros at the start of a sequence).
-    Returns (y [B, C, T], new state [B, C, K-1] = the last K-1 inputs seen).
-    """
-    full = torch.cat([conv_state.to(x.dtype), x], dim=-1)  # [B, C, K-1+T]: history, then x
-    y = F.conv1d(full, weight, groups=x.shape[1])  # no padding: output t sees inputs t..t+K-1
-    return y, full[:, :, full.shape[-1] - conv_state.shape[-1] :]
 
 
 class DeltaNetState:
