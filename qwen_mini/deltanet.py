@@ -153,6 +153,21 @@ def pad_to_chunks(x: torch.Tensor, chunk_size: int, dim: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
+def chunk_loop(U0, W, scores, q_decayed, k_to_end, chunk_decay, S):
+    """The sequential part of the chunk form: (out [B, H, N, C, d_v], final state).
+
+    Per chunk n (index [:, :, n]): U0, W [B, H, N, C, d_v | d_k]; scores [B, H, N, C, C];
+    q_decayed, k_to_end [B, H, N, C, d_k]; chunk_decay [B, H, N, 1, 1]; S [B, H, d_k, d_v] is
+    the state entering the first chunk.
+    """
+    out = torch.empty_like(U0)  # [B, H, N, C, d_v]
+    for n in range(U0.shape[2]):  # the only sequential part: N = T / C steps instead of T
+        U = U0[:, :, n] - W[:, :, n] @ S  # [B, H, C, d_v]: minus what S already predicts
+        out[:, :, n] = q_decayed[:, :, n] @ S + scores[:, :, n] @ U  # S's part + the chunk's
+        S = chunk_decay[:, :, n] * S + k_to_end[:, :, n].transpose(-1, -2) @ U  # pass it on
+    return out, S
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -201,12 +216,8 @@ def chunk_gated_delta_rule(
     q_decayed = q * decay_in  # reads S0 through the decay since the chunk start
     k_to_end = k * decay_out  # writes, decayed to the chunk's end
 
-    S = _start_state(initial_state, q, v)
-    out = torch.empty_like(v)  # [B, H, N, C, d_v]
-    for n in range(N):  # the only sequential part: N = T / C steps instead of T
-        U = U0[:, :, n] - W[:, :, n] @ S  # [B, H, C, d_v]
-        out[:, :, n] = q_decayed[:, :, n] @ S + scores[:, :, n] @ U
-        S = chunk_decay[:, :, n] * S + k_to_end[:, :, n].transpose(-1, -2) @ U
+    S0 = _start_state(initial_state, q, v)
+    out, S = chunk_loop(U0, W, scores, q_decayed, k_to_end, chunk_decay, S0)
     out = out.reshape(B, H_v, N * C, d_v)[:, :, :T]
     return out.transpose(1, 2).to(dtype), S
 

@@ -77,41 +77,31 @@ def expand_tiled(x, n_value_heads):
     return x.repeat(1, 1, n_value_heads // x.shape[2], 1)
 
 
-def _chunk_variant(restart_each_chunk=False, ignore_initial=False, no_state_correction=False):
-    """The package's chunk form with one typical mistake in the loop."""
+def _loop_variant(restart_each_chunk=False, ignore_initial=False, no_state_correction=False):
+    """The chunk loop with one typical mistake."""
 
-    def chunk(q, k, v, g, beta, chunk_size=64, initial_state=None, scale=None):
-        B, T, H_v, d_v = v.shape
-        C = chunk_size
-        q, k, v, g, beta = ref._heads_first(q, k, v, g, beta, scale)
-        q, k, v = (ref.pad_to_chunks(x, C, dim=2) for x in (q, k, v))
-        g, beta = (ref.pad_to_chunks(x, C, dim=2) for x in (g, beta))
-        N = q.shape[2] // C
-        q, k, v = (x.reshape(B, H_v, N, C, x.shape[-1]) for x in (q, k, v))
-        g, beta = g.reshape(B, H_v, N, C), beta.reshape(B, H_v, N, C)
-        G = g.double().cumsum(-1)
-        M = ref.decay_mask(G).float()
-        decay_in = G.exp().float()[..., None]
-        decay_out = (G[..., -1:] - G).exp().float()[..., None]
-        chunk_decay = G[..., -1].exp().float()[..., None, None]
-        k_beta = k * beta[..., None]
-        A = ((k_beta @ k.transpose(-1, -2)) * M).tril(-1)
-        U0 = ref.solve_unit_lower(A, v * beta[..., None])
-        W = ref.solve_unit_lower(A, k_beta * decay_in)
-        scores = (q @ k.transpose(-1, -2)) * M
-        start = initial_state if initial_state is not None and not ignore_initial else None
-        S = ref._start_state(start, q, v)
-        out = torch.empty_like(v)
-        for n in range(N):
+    def chunk_loop(U0, W, scores, q_decayed, k_to_end, chunk_decay, S):
+        if ignore_initial:
+            S = torch.zeros_like(S)
+        out = torch.empty_like(U0)
+        for n in range(U0.shape[2]):
             if restart_each_chunk:
                 S = torch.zeros_like(S)
             U = U0[:, :, n] if no_state_correction else U0[:, :, n] - W[:, :, n] @ S
-            out[:, :, n] = (q[:, :, n] * decay_in[:, :, n]) @ S + scores[:, :, n] @ U
-            S = chunk_decay[:, :, n] * S + (k[:, :, n] * decay_out[:, :, n]).transpose(-1, -2) @ U
-        out = out.reshape(B, H_v, N * C, d_v)[:, :, :T]
-        return out.transpose(1, 2), S
+            out[:, :, n] = q_decayed[:, :, n] @ S + scores[:, :, n] @ U
+            S = chunk_decay[:, :, n] * S + k_to_end[:, :, n].transpose(-1, -2) @ U
+        return out, S
 
-    return chunk
+    return chunk_loop
+
+
+def loop_state_not_decayed(U0, W, scores, q_decayed, k_to_end, chunk_decay, S):
+    out = torch.empty_like(U0)
+    for n in range(U0.shape[2]):
+        U = U0[:, :, n] - W[:, :, n] @ S
+        out[:, :, n] = q_decayed[:, :, n] @ S + scores[:, :, n] @ U
+        S = S + k_to_end[:, :, n].transpose(-1, -2) @ U  # the old state does not fade
+    return out, S
 
 
 def conv_no_state(x, weight, conv_state):
@@ -163,9 +153,10 @@ CORPUS = [
     ("ch05.solve_unit_lower", solve_transposed, "forward substitution"),
     ("ch05.pad_to_chunks", pad_with_ones, "g = 0"),
     ("ch05.expand_key_heads", expand_tiled, "j // ratio"),
-    ("ch05.chunk_gated_delta_rule", _chunk_variant(restart_each_chunk=True), "empty state"),
-    ("ch05.chunk_gated_delta_rule", _chunk_variant(ignore_initial=True), "initial_state"),
-    ("ch05.chunk_gated_delta_rule", _chunk_variant(no_state_correction=True), "U0 - W S"),
+    ("ch05.chunk_loop", _loop_variant(restart_each_chunk=True), "empty state"),
+    ("ch05.chunk_loop", _loop_variant(ignore_initial=True), "initial_state"),
+    ("ch05.chunk_loop", _loop_variant(no_state_correction=True), "U0 - W S"),
+    ("ch05.chunk_loop", loop_state_not_decayed, "decay by exp(G_last)"),
     ("ch05.causal_conv1d", conv_no_state, "conv_state"),
     ("ch05.causal_conv1d", conv_symmetric_padding, "future"),
     ("ch05.causal_conv1d", conv_state_from_x_only, "old state"),

@@ -9,6 +9,8 @@ name the idea that is wrong.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 
@@ -54,8 +56,8 @@ register(
     title="Pad to whole chunks with no-op tokens",
 )
 register(
-    "ch05.chunk_gated_delta_rule",
-    reference=ref.chunk_gated_delta_rule,
+    "ch05.chunk_loop",
+    reference=ref.chunk_loop,
     points=3,
     title="The chunk loop: state passed from chunk to chunk",
 )
@@ -312,7 +314,18 @@ def _(pad_to_chunks):
     expect_equal("chunk of 1", pad_to_chunks(x, 1, dim=1), x)
 
 
-# --- chunk_gated_delta_rule ---------------------------------------------------------------------
+# --- chunk_loop ---------------------------------------------------------------------------------
+
+
+@contextmanager
+def _chunk_rule_with(chunk_loop):
+    """The package's chunk_gated_delta_rule running the given loop."""
+    saved = ref.chunk_loop
+    ref.chunk_loop = chunk_loop
+    try:
+        yield ref.chunk_gated_delta_rule
+    finally:
+        ref.chunk_loop = saved
 
 
 def _rule_inputs(T: int, seed: int, H_k: int = 2, ratio: int = 1, d_k: int = 8, d_v: int = 4):
@@ -325,25 +338,27 @@ def _rule_inputs(T: int, seed: int, H_k: int = 2, ratio: int = 1, d_k: int = 8, 
     return q, k, v, g, beta, S0
 
 
-@public("ch05.chunk_gated_delta_rule")
-def _(chunk_gated_delta_rule):
+@public("ch05.chunk_loop")
+def _(chunk_loop):
     """one chunk, empty state: equals the recurrent form"""
     q, k, v, g, beta, _ = _rule_inputs(8, 50)
-    out, S = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=8)
+    with _chunk_rule_with(chunk_loop) as chunk_gated_delta_rule:
+        out, S = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=8)
     out_r, S_r = ref.recurrent_gated_delta_rule(q, k, v, g, beta)
     expect_close("output of one chunk vs the recurrent form", out, out_r, atol=1e-5)
     expect_close("final state of one chunk vs the recurrent form", S, S_r, atol=1e-5)
 
 
-@public("ch05.chunk_gated_delta_rule")
-def _(chunk_gated_delta_rule):
+@public("ch05.chunk_loop")
+def _(chunk_loop):
     """three chunks: the state passes from one to the next"""
     q, k, v, g, beta, _ = _rule_inputs(20, 60)
-    out, S = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=8)
+    with _chunk_rule_with(chunk_loop) as chunk_gated_delta_rule:
+        out, S = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=8)
     out_r, S_r = ref.recurrent_gated_delta_rule(q, k, v, g, beta)
     first = out[:, :8]
     expect_close("first chunk", first, out_r[:, :8], atol=1e-5)
-    if not _close(out[:, 8:16], out_r[:, 8:16]):
+    if not _close(out[:, 8:], out_r[:, 8:]):
         alone, _ = ref.recurrent_gated_delta_rule(*(x[:, 8:16] for x in (q, k, v, g, beta)))
         if _close(out[:, 8:16], alone):
             raise AssertionError(
@@ -359,27 +374,30 @@ def _(chunk_gated_delta_rule):
     expect_close("final state", S, S_r, atol=1e-5)
 
 
-@public("ch05.chunk_gated_delta_rule")
-def _(chunk_gated_delta_rule):
+@public("ch05.chunk_loop")
+def _(chunk_loop):
     """continuing from initial_state"""
     q, k, v, g, beta, S0 = _rule_inputs(12, 70)
-    out, S = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=8, initial_state=S0)
+    with _chunk_rule_with(chunk_loop) as chunk_gated_delta_rule:
+        out, S = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=8, initial_state=S0)
     out_r, S_r = ref.recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=S0)
     fresh, _ = ref.recurrent_gated_delta_rule(q, k, v, g, beta)
     if _close(out, fresh):
         raise AssertionError(
-            "initial_state was ignored: a continuation (the rest of a prompt, fed after a "
-            "first piece) must start from the state the first piece left, not from zeros"
+            "the state S given to the loop was ignored (initial_state): a continuation (the "
+            "rest of a prompt, fed after a first piece) must start from the state the first "
+            "piece left, not from zeros"
         )
     expect_close("output continuing from a state", out, out_r, atol=1e-5)
     expect_close("final state continuing from a state", S, S_r, atol=1e-5)
 
 
-@hidden("ch05.chunk_gated_delta_rule")
-def _(chunk_gated_delta_rule):
+@hidden("ch05.chunk_loop")
+def _(chunk_loop):
     q, k, v, g, beta, S0 = _rule_inputs(37, 80, H_k=2, ratio=2, d_k=16, d_v=8)
     for C in (4, 16, 64):
-        out, S = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=C, initial_state=S0)
+        with _chunk_rule_with(chunk_loop) as chunk_gated_delta_rule:
+            out, S = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=C, initial_state=S0)
         out_r, S_r = ref.recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=S0)
         expect_close(f"H_v = 2 H_k, chunk {C}: output", out, out_r, atol=2e-5)
         expect_close(f"H_v = 2 H_k, chunk {C}: state", S, S_r, atol=2e-5)
