@@ -12,7 +12,12 @@ from qwen_mini.course import notebooks as nbs
 from qwen_mini.course.grading import cli as grade
 
 ROOT = Path(__file__).resolve().parent.parent
-CHAPTERS = {0: "ch00_foundations.ipynb", 1: "ch01_attention.ipynb", 4: "ch04_thinking.ipynb"}
+CHAPTERS = {
+    0: "ch00_foundations.ipynb",
+    1: "ch01_attention.ipynb",
+    4: "ch04_thinking.ipynb",
+    5: "ch05_deltanet.ipynb",
+}
 
 
 def _mixed(folder: Path, chapter: int, stub_cell: str) -> Path:
@@ -74,6 +79,7 @@ def _grade(tmp_path: Path, chapter: int, files: list[Path]) -> dict[str, dict]:
         (1, "a988864a", "ch01.repeat_kv", "ch01.Attention"),
         (1, "a8000004", "ch01.DecoderLayer", "ch01.decode"),  # the model-level exercises
         (4, "c4000011", "ch04.render_turn", "ch04.render_prompt"),
+        (5, "898e47cd", "ch05.decay_mask", "ch05.chunk_loop"),
     ],
 )
 def test_real_chapter_grades(tmp_path, chapter, stub_cell, stubbed, dependent):
