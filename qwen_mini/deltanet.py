@@ -77,7 +77,8 @@ def _heads_first(q, k, v, g, beta, scale):
     H_v = v.shape[2]
     q, k = expand_key_heads(q, H_v), expand_key_heads(k, H_v)
     wide = torch.promote_types(v.dtype, torch.float32)  # bfloat16 -> float32
-    q, k, v, g, beta = (x.transpose(1, 2).to(wide) for x in (q, k, v, g, beta))
+    # contiguous once here, rather than a hidden copy in every later reshape and product
+    q, k, v, g, beta = (x.transpose(1, 2).to(wide).contiguous() for x in (q, k, v, g, beta))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return q * scale, k, v, g, beta
 
@@ -210,8 +211,10 @@ def chunk_gated_delta_rule(
 
     k_beta = k * beta[..., None]
     A = ((k_beta @ k.transpose(-1, -2)) * M).tril(-1)  # [B, H, N, C, C], strictly lower
-    U0 = solve_unit_lower(A, v * beta[..., None])  # the writes if every chunk started at S0 = 0
-    W = solve_unit_lower(A, k_beta * decay_in)  # how S0 changes them: U = U0 - W S0
+    # one solve for both right-hand sides: U0, the writes if every chunk started at S0 = 0,
+    # and W, how S0 changes them (U = U0 - W S0)
+    both = solve_unit_lower(A, torch.cat([v * beta[..., None], k_beta * decay_in], dim=-1))
+    U0, W = both.split([d_v, k.shape[-1]], dim=-1)
     scores = (q @ k.transpose(-1, -2)) * M  # [B, H, N, C, C]: causal, decayed
     q_decayed = q * decay_in  # reads S0 through the decay since the chunk start
     k_to_end = k * decay_out  # writes, decayed to the chunk's end
