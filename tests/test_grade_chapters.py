@@ -57,6 +57,11 @@ CHEATS = {
         "ch04.render_turn",
         'from qwen_mini.chat import render_turn\n\ncheck("ch04.render_turn", render_turn)',
     ),
+    5: (
+        "898e47cd",
+        "ch05.decay_mask",
+        'from qwen_mini.deltanet import decay_mask\n\ncheck("ch05.decay_mask", decay_mask)',
+    ),
 }
 
 
