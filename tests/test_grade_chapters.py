@@ -17,6 +17,7 @@ CHAPTERS = {
     1: "ch01_attention.ipynb",
     3: "ch03_moe.ipynb",
     4: "ch04_thinking.ipynb",
+    5: "ch05_deltanet.ipynb",
 }
 
 
@@ -62,6 +63,11 @@ CHEATS = {
         "ch04.render_turn",
         'from qwen_mini.chat import render_turn\n\ncheck("ch04.render_turn", render_turn)',
     ),
+    5: (
+        "898e47cd",
+        "ch05.decay_mask",
+        'from qwen_mini.deltanet import decay_mask\n\ncheck("ch05.decay_mask", decay_mask)',
+    ),
 }
 
 
@@ -85,6 +91,7 @@ def _grade(tmp_path: Path, chapter: int, files: list[Path]) -> dict[str, dict]:
         (1, "a8000004", "ch01.DecoderLayer", "ch01.decode"),  # the model-level exercises
         (3, "1fc59484", "ch03.routing_statistics", "ch03.load_balancing_loss"),
         (4, "c4000011", "ch04.render_turn", "ch04.render_prompt"),
+        (5, "898e47cd", "ch05.decay_mask", "ch05.chunk_loop"),
     ],
 )
 def test_real_chapter_grades(tmp_path, chapter, stub_cell, stubbed, dependent):
