@@ -43,6 +43,16 @@ def rope_bias_term(b_q: torch.Tensor, b_k: torch.Tensor, cos: torch.Tensor, sin:
     return q @ k.T
 
 
+def capture_attention_inputs(model: CausalLM, store: dict) -> list:
+    """Hooks that keep, for each layer, the (x, cos, sin) its attention is called with, in
+    store[layer index]; remove them with `h.remove()`."""
+
+    def keep(module, args):
+        store[module.layer_idx] = args[:3]
+
+    return [layer.self_attn.register_forward_pre_hook(keep) for layer in model.model.layers]
+
+
 def project_qk(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """The queries and keys an attention layer compares, as its forward computes them.
 
@@ -68,32 +78,14 @@ def logit_stats(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return logits.amax(dim=(0, 2, 3)), entropy.mean(dim=(0, 2))
 
 
-def distinct_weights(logits: torch.Tensor, dtype: torch.dtype) -> int:
-    """How many different nonzero attention weights one row of logits [T] yields when the
-    logits are stored in `dtype`, the softmax is taken in float32 and the weights are stored
-    in `dtype` again."""
-    w = logits.to(dtype).float().softmax(dim=-1).to(dtype)
-    return int(torch.unique(w[w > 0]).numel())
-
-
-def remove_qk_norm(model: nn.Module) -> int:
-    """Take QK-Norm out of every attention layer of `model` (in place; every other weight stays as
-    it is) and return how many norm modules were removed."""
-    removed = 0
-    for layer in model.model.layers:
-        attn = layer.self_attn
-        if attn.q_norm is not None:
-            attn.q_norm = attn.k_norm = None  # the forward skips the norm when it is None
-            removed += 2
-    model.config.qk_norm = False
-    return removed
-
-
-def tiny_config(qk_norm: bool, hidden: int = 128, layers: int = 2, heads: int = 4) -> Config:
+def tiny_config(
+    qk_norm: bool, hidden: int = 128, layers: int = 2, heads: int = 4, qkv_bias: bool = False
+) -> Config:
     """A Qwen3-shaped byte-level model: 256 token ids (one per byte), GQA with 2 query heads per
-    KV head, head_dim 32, SwiGLU 3x wide, tied embedding; QK-Norm on or off."""
+    KV head, head_dim 32, SwiGLU 3x wide, tied embedding; QK-Norm on or off; with qkv_bias
+    (and no QK-Norm) it is shaped like Qwen2.5 instead."""
     return Config(
-        model_type="qwen3",
+        model_type="qwen2" if qkv_bias and not qk_norm else "qwen3",
         vocab_size=256,
         hidden_size=hidden,
         intermediate_size=3 * hidden,
@@ -105,20 +97,25 @@ def tiny_config(qk_norm: bool, hidden: int = 128, layers: int = 2, heads: int = 
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
-        qkv_bias=False,
+        qkv_bias=qkv_bias,
         o_bias=False,
         qk_norm=qk_norm,
     )
 
 
 def tiny_model(cfg: Config, seed: int = 0) -> CausalLM:
-    """The package's model, every matrix drawn from N(0, 0.02²) (as GPT-2), norms at 1."""
+    """The package's model, every matrix drawn from N(0, 0.02²) (as GPT-2), norms at 1, biases
+    at 0."""
     model = CausalLM(cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        for layer in model.model.layers:  # QKV biases (Qwen2 shape) start at zero
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                if proj.bias is not None:
+                    proj.bias.zero_()
     return model
 
 
@@ -137,16 +134,6 @@ def batches(data: torch.Tensor, batch: int, seq: int, seed: int):
         starts = torch.randint(0, len(data) - seq - 1, (batch, 1), generator=g)
         window = data[starts + offsets]  # [batch, seq + 1]
         yield window[:, :-1], window[:, 1:]
-
-
-def capture_attention_inputs(model: CausalLM, store: dict) -> list:
-    """Hooks that keep, for each layer, the (x, cos, sin) its attention is called with, in
-    store[layer index]; remove them with `h.remove()`."""
-
-    def keep(module, args):
-        store[module.layer_idx] = args[:3]
-
-    return [layer.self_attn.register_forward_pre_hook(keep) for layer in model.model.layers]
 
 
 def head_stats(model: CausalLM, inputs: dict, n: int) -> tuple[list, list]:
@@ -173,11 +160,12 @@ def train_tiny(
     every: int = 5,
     probe: torch.Tensor | None = None,
     n_stat: int = 4,
+    qkv_bias: bool = False,
 ):
     """Train a tiny model with AdamW (β = 0.9, 0.95, constant rate, no warm-up, no clipping) and
     record the loss of every step and, every `every` steps, per layer and head the largest
     attention logit and the attention entropy (and the logits on `probe` ids [T], if given)."""
-    model = tiny_model(tiny_config(qk_norm), seed)
+    model = tiny_model(tiny_config(qk_norm, qkv_bias=qkv_bias), seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     inputs = {}  # layer index -> (x, cos, sin) its attention received in the last forward pass
     hooks = capture_attention_inputs(model, inputs)
@@ -217,3 +205,24 @@ def probe_logits(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
     for h in hooks:
         h.remove()
     return torch.stack(out)
+
+
+def distinct_weights(logits: torch.Tensor, dtype: torch.dtype) -> int:
+    """How many different nonzero attention weights one row of logits [T] yields when the
+    logits are stored in `dtype`, the softmax is taken in float32 and the weights are stored
+    in `dtype` again."""
+    w = logits.to(dtype).float().softmax(dim=-1).to(dtype)
+    return int(torch.unique(w[w > 0]).numel())
+
+
+def remove_qk_norm(model: nn.Module) -> int:
+    """Take QK-Norm out of every attention layer of `model` (in place; every other weight stays as
+    it is) and return how many norm modules were removed."""
+    removed = 0
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if attn.q_norm is not None:
+            attn.q_norm = attn.k_norm = None  # the forward skips the norm when it is None
+            removed += 2
+    model.config.qk_norm = False
+    return removed

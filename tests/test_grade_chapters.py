@@ -11,7 +11,7 @@ from qwen_mini.course import grade
 from qwen_mini.course import notebooks as nbs
 
 ROOT = Path(__file__).resolve().parent.parent
-CHAPTERS = {0: "ch00_foundations.ipynb", 1: "ch01_attention.ipynb"}
+CHAPTERS = {0: "ch00_foundations.ipynb", 1: "ch01_attention.ipynb", 2: "ch02_qk_norm.ipynb"}
 
 
 def _mixed(folder: Path, chapter: int, stub_cell: str) -> Path:
@@ -41,6 +41,7 @@ def _grade(tmp_path: Path, chapter: int, files: list[Path]) -> dict[str, dict]:
     [
         (0, "6a366c8d", "ch00.rotate_half", "ch00.apply_rope"),
         (1, "a988864a", "ch01.repeat_kv", "ch01.Attention"),
+        (2, "17187467", "ch02.project_qk", "ch02.logit_stats"),
     ],
 )
 def test_real_chapter_grades(tmp_path, chapter, stub_cell, stubbed, dependent):
