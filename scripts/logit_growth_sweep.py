@@ -1,4 +1,4 @@
-"""The full attention-logit-growth sweep of chapter 2, stored as assets/data/logit_growth_sweep.json.
+"""The full attention-logit-growth sweep of chapter 2: assets/data/logit_growth_sweep.json.
 
 Trains the chapter's tiny Qwen3-shaped model (qwen_mini.qk_norm.train_tiny) on Python source,
 with and without QK-Norm, at each learning rate, with fixed seeds, on one CPU thread (so the
