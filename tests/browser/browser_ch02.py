@@ -101,7 +101,8 @@ DONE = """() => {
     const c = cells.get(i);
     if (c.type === 'code' && c.executionCount === null && c.sharedModel.source.trim()) pending++;
   }
-  const running = [...document.querySelectorAll('.jp-InputPrompt')].some(p => p.textContent.includes('*'));
+  const prompts = [...document.querySelectorAll('.jp-InputPrompt')];
+  const running = prompts.some(p => p.textContent.includes('*'));
   return !busy && !running && pending === 0;
 }"""
 
