@@ -130,6 +130,13 @@ def _wait_change(page, view, before: str, timeout: float = 120.0) -> bool:
     while time.monotonic() < end:
         now = _figure(view)
         if now and now != before:
+            # let the new image decode before anyone takes a screenshot
+            view.wait_for_selector(".widget-output img", state="visible")
+            page.wait_for_function(
+                "el => [...el.querySelectorAll('.widget-output img')].every("
+                "i => i.complete && i.naturalWidth > 0)",
+                arg=view,
+            )
             return True
         page.wait_for_timeout(250)
     return False
