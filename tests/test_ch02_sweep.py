@@ -48,20 +48,27 @@ def test_first_steps_match_the_stored_sweep(qk_norm, lr):
 
 
 def test_the_stored_sweep_shows_the_effect():
-    """What chapter 2 says about the sweep, on the stored numbers: at the two highest rates the
-    largest logit without QK-Norm exceeds ten times the largest with it, the sharpest head
-    collapses to near-zero entropy only without it, and QK-Norm ends at a lower loss."""
+    """What chapter 2 says about the sweep, on the stored numbers: without QK-Norm the largest
+    logit grows with the rate (by over 1000x across the range) and the sharpest head collapses
+    to near-zero entropy at the high rates; with QK-Norm the largest logit stays below 50, no head
+    collapses, and the final loss is lower at every rate."""
     lrs = sorted({r["lr"] for r in SWEEP["runs"]})
     assert len(lrs) >= 4 and len(SWEEP["runs"]) == 2 * len(lrs)
-    for lr in lrs[-2:]:
+
+    def peak(r):
+        return max(v for s in r["max_logit"] for layer in s for v in layer if v is not None)
+
+    def lowest_entropy(r):
+        return min(v for layer in r["entropy"][-1] for v in layer)
+
+    def final(r):
+        return sum(r["loss"][-20:]) / 20
+
+    peaks_off = [peak(_stored(False, lr)) for lr in lrs]
+    assert peaks_off == sorted(peaks_off) and peaks_off[-1] > 1000 * peaks_off[0], peaks_off
+    for lr in lrs:
         off, on = _stored(False, lr), _stored(True, lr)
-        peak = {
-            k: max(v for s in r["max_logit"] for layer in s for v in layer if v is not None)
-            for k, r in (("off", off), ("on", on))
-        }
-        assert peak["off"] > 10 * peak["on"], (lr, peak)
-        low_off = min(v for layer in off["entropy"][-1] for v in layer)
-        low_on = min(v for layer in on["entropy"][-1] for v in layer)
-        assert low_off < 0.1 < low_on, (lr, low_off, low_on)
-        final = {k: sum(r["loss"][-20:]) / 20 for k, r in (("off", off), ("on", on))}
-        assert final["on"] < final["off"] and all(map(math.isfinite, final.values())), final
+        assert peak(on) < 50 and lowest_entropy(on) > 0.1, lr
+        assert math.isfinite(final(off)) and final(on) < final(off), (lr, final(on), final(off))
+    for lr in lrs[-2:]:
+        assert lowest_entropy(_stored(False, lr)) < 0.01, lr
