@@ -57,16 +57,15 @@ def repeat_kv(k: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 class KVCache:
-    """Keys and values of every layer for the tokens seen so far.
+    """Keys and values of one attention layer for the tokens seen so far.
 
     Storage grows by doubling, so decoding does not copy the whole cache at every step.
-    `length` only advances once a forward pass has finished, so a failed call leaves the cache
-    describing exactly the tokens it described before.
+    `length` only advances on `commit`, which the model calls once a forward pass has finished,
+    so a failed call leaves the cache describing exactly the tokens it described before.
     """
 
     def __init__(
         self,
-        num_layers: int,
         batch_size: int,
         num_kv_heads: int,
         head_dim: int,
@@ -74,19 +73,18 @@ class KVCache:
         device: torch.device | str = "cpu",
     ):
         self.shape = (batch_size, num_kv_heads, 0, head_dim)
-        self.k = [torch.empty(self.shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(self.shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = torch.empty(self.shape, dtype=dtype, device=device)
+        self.v = torch.empty(self.shape, dtype=dtype, device=device)
         self.length = 0
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+    def update(self, k: torch.Tensor, v: torch.Tensor):
         """Store k, v [B, H_kv, T, D] after the cached ones; return all keys and values so far."""
         start, end = self.length, self.length + k.shape[2]
-        if end > self.k[layer].shape[2]:
-            self.k[layer] = self._grow(self.k[layer], end)
-            self.v[layer] = self._grow(self.v[layer], end)
-        self.k[layer][:, :, start:end] = k
-        self.v[layer][:, :, start:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        if end > self.k.shape[2]:
+            self.k, self.v = self._grow(self.k, end), self._grow(self.v, end)
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
 
     def _grow(self, buf: torch.Tensor, needed: int) -> torch.Tensor:
         """A bigger buffer (`needed` slots, or double the old size, or 16), same content."""
@@ -94,10 +92,21 @@ class KVCache:
         new[:, :, : self.length] = buf[:, :, : self.length]
         return new
 
+    def commit(self, n_tokens: int) -> None:
+        """The forward pass that wrote `n_tokens` new tokens has finished: they count now."""
+        self.length += n_tokens
+
+    def discard(self) -> None:
+        """The forward pass failed; nothing to undo, since `length` never moved."""
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n tokens (the slots after them are written again later)."""
+        self.length = n
+
     def nbytes(self) -> int:
         """Bytes held by the cached tokens (not the spare capacity)."""
         b, h, _, d = self.shape
-        return 2 * len(self.k) * b * h * self.length * d * self.k[0].element_size()
+        return 2 * b * h * self.length * d * self.k.element_size()
 
 
 class Attention(nn.Module):
@@ -105,7 +114,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: Config, layer_idx: int = 0):
         super().__init__()
-        self.layer_idx = layer_idx  # which layer of the cache this module reads and writes
+        self.layer_idx = layer_idx  # its place in the model (the model hands it its own cache)
         self.n_heads, self.n_kv_heads, self.head_dim = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -124,8 +133,8 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache: KVCache | None = None):
         """x [B, T, hidden] -> [B, T, hidden]; cos, sin [T, head_dim] are the new positions' angles.
 
-        With a cache, the T new tokens also attend to the cached ones, and their keys and values
-        are stored in it (the caller advances cache.length once every layer has run).
+        With a cache (this layer's KVCache), the T new tokens also attend to the cached ones, and
+        their keys and values are stored in it (the model commits them once every layer has run).
         """
         T = x.shape[1]
         q = split_heads(self.q_proj(x), self.n_heads)  # [B, H, T, D]
@@ -135,7 +144,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)  # [B, H_kv, T_total, D]
+            k, v = cache.update(k, v)  # [B, H_kv, T_total, D]
         t_total = k.shape[2]
         if T == 1:
             mask, is_causal = None, False  # one new token sees everything cached
@@ -148,9 +157,14 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
         return self.o_proj(merge_heads(out))
 
+    def new_state(self, batch_size: int, dtype: torch.dtype, device=None) -> KVCache:
+        """The empty cache this layer keeps while generating (the model asks every layer)."""
+        return KVCache(batch_size, self.n_kv_heads, self.head_dim, dtype, device or "cpu")
+
 
 def kv_bytes_per_token(cfg, dtype_bytes: int = 2) -> int:
-    """Bytes the KV cache grows by per token: a key and a value per KV head in every layer."""
+    """Bytes the KV cache grows by when one more token is cached."""
+    # every layer stores a key and a value vector of head_dim numbers for each KV head
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
 
 

@@ -21,8 +21,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from .architectures import ARCHITECTURES
 from .config import Config
+from .decoder import load_weights
 from .model import CausalLM
+from .runtime import convert_for_runtime
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -37,49 +40,91 @@ class CheckpointError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# What the config implies
+# What the config implies: read off the model itself, built on the meta device
 
 
-def _expected_dims(cfg: Config) -> dict[str, tuple[tuple[int, str], ...]]:
-    """Every tensor the config implies, each dimension with the config field it comes from."""
-    V = (cfg.vocab_size, "vocab_size")
-    H = (cfg.hidden_size, "hidden_size")
-    I = (cfg.intermediate_size, "intermediate_size")
-    D = (cfg.head_dim, "head_dim")
-    Q = (cfg.num_attention_heads * cfg.head_dim, "num_attention_heads * head_dim")
-    KV = (cfg.num_key_value_heads * cfg.head_dim, "num_key_value_heads * head_dim")
-    dims = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        dims[p + "input_layernorm.weight"] = (H,)
-        dims[p + "post_attention_layernorm.weight"] = (H,)
-        for name, out in (("q_proj", Q), ("k_proj", KV), ("v_proj", KV)):
-            dims[p + f"self_attn.{name}.weight"] = (out, H)
-            if cfg.qkv_bias:
-                dims[p + f"self_attn.{name}.bias"] = (out,)
-        dims[p + "self_attn.o_proj.weight"] = (H, Q)
-        if cfg.o_bias:
-            dims[p + "self_attn.o_proj.bias"] = (H,)
-        if cfg.qk_norm:
-            dims[p + "self_attn.q_norm.weight"] = (D,)
-            dims[p + "self_attn.k_norm.weight"] = (D,)
-        dims[p + "mlp.gate_proj.weight"] = (I, H)
-        dims[p + "mlp.up_proj.weight"] = (I, H)
-        dims[p + "mlp.down_proj.weight"] = (H, I)
-    # a tied head reuses the embedding; only an untied one needs weights of its own
-    if not cfg.tie_word_embeddings:
-        dims["lm_head.weight"] = (V, H)
-    return dims
+@contextmanager
+def without_init():
+    """Modules fill their weights with random numbers when built; on the meta device there is
+    nothing to fill, yet the first fill of a meta tensor costs seconds (torch loads its Python
+    reference kernels), and the loaded weights replace it anyway. Every built-in module (Linear,
+    Embedding, Conv1d, ...) initialises through `torch.nn.init`, so silencing those functions
+    skips it for every module type."""
+    names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(nn.init, n) for n in names}
+    for n in names:
+        setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(nn.init, n, fn)
+
+
+def meta_model(cfg: Config) -> CausalLM:
+    """The model `cfg` describes, shapes only: no memory, no random init."""
+    with torch.device("meta"), without_init():
+        return CausalLM(cfg)
+
+
+def checkpoint_name(key: str, cfg: Config) -> str:
+    """The checkpoint's name for a state-dict key: `model.` is where the text model sits."""
+    prefix = ARCHITECTURES[cfg.model_type].checkpoint_prefix
+    return prefix + key.removeprefix("model.") if key.startswith("model.") else key
 
 
 def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape for every tensor a checkpoint with this config must hold."""
-    return {k: tuple(n for n, _ in dims) for k, dims in _expected_dims(cfg).items()}
+    """Checkpoint tensor name -> shape for every tensor a checkpoint with this config must hold.
+
+    Read off the model's own state dict (as nanoGPT's from_pretrained does), so the loader can
+    never disagree with the modules. A tied head is the embedding, so it needs no tensor.
+    """
+    state = meta_model(cfg).state_dict()
+    if cfg.tie_word_embeddings:
+        del state["lm_head.weight"]
+    return {checkpoint_name(k, cfg): tuple(v.shape) for k, v in state.items()}
+
+
+def _dim_fields(cfg: Config) -> dict[int, list[str]]:
+    """Size -> the config.json fields (or products of them) that give a tensor dimension that
+    size: how an error message says which field a wrong shape disagrees with."""
+    c = cfg
+    sizes = {
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "head_dim": c.head_dim,
+        "num_attention_heads * head_dim": c.num_attention_heads * c.head_dim,
+        "num_key_value_heads * head_dim": c.num_key_value_heads * c.head_dim,
+        "2 * num_attention_heads * head_dim (query and gate)": 2
+        * c.num_attention_heads
+        * c.head_dim,
+        "num_experts": c.num_experts,
+        "moe_intermediate_size": c.moe_intermediate_size,
+        "2 * moe_intermediate_size": 2 * c.moe_intermediate_size,
+        "shared_expert_intermediate_size": c.shared_expert_intermediate_size,
+        "linear_num_value_heads": c.linear_num_value_heads,
+        "linear_key_head_dim": c.linear_key_head_dim,
+        "linear_conv_kernel_dim": c.linear_conv_kernel_dim,
+        "linear_num_value_heads * linear_value_head_dim": (
+            c.linear_num_value_heads * c.linear_value_head_dim
+        ),
+        "2 * linear_num_key_heads * linear_key_head_dim + linear_num_value_heads * "
+        "linear_value_head_dim (q, k, v)": (
+            2 * c.linear_num_key_heads * c.linear_key_head_dim
+            + c.linear_num_value_heads * c.linear_value_head_dim
+        ),
+    }
+    fields: dict[int, list[str]] = {}
+    for name, size in sizes.items():
+        if size:
+            fields.setdefault(size, []).append(name)
+    return fields
 
 
 def _hint(name: str, cfg: Config) -> str:
     """Which config.json field decides whether `name` should exist."""
-    m = re.match(r"model\.layers\.(\d+)\.", name)
+    m = re.search(r"layers\.(\d+)\.", name)
     if m and int(m.group(1)) >= cfg.num_hidden_layers:
         return f"config.json says num_hidden_layers = {cfg.num_hidden_layers}"
     if name.endswith(("q_norm.weight", "k_norm.weight")):
@@ -91,6 +136,16 @@ def _hint(name: str, cfg: Config) -> str:
         )
     if name == "lm_head.weight":
         return "tie_word_embeddings is false in config.json, so the output head has its own weights"
+    if m and ".mlp." in name:
+        i = int(m.group(1))
+        kind = "a mixture of experts" if cfg.is_sparse_layer(i) else "a dense feed-forward"
+        return (
+            f"layer {i} has {kind} (num_experts, decoder_sparse_step and mlp_only_layers in "
+            f"config.json)"
+        )
+    if m:
+        i = int(m.group(1))
+        return f"layer {i} is {cfg.layer_types[i]} (layer_types in config.json)"
     return f"a {cfg.model_type} model with this config.json"
 
 
@@ -204,8 +259,9 @@ def validate(
     cfg: Config, found: dict[str, tuple[int, ...]], where: str, config_file: str = "config.json"
 ) -> None:
     """Check stored tensor shapes `found` against the config; `where` names the weights file."""
-    dims = _expected_dims(cfg)
-    missing = [k for k in dims if k not in found]
+    want = expected_shapes(cfg)
+    ignored = ARCHITECTURES[cfg.model_type].ignored_prefixes
+    missing = [k for k in want if k not in found]
     if missing:
         raise CheckpointError(
             f"{where}: tensor {missing[0]!r} is missing ({len(missing)} missing in all); "
@@ -217,7 +273,9 @@ def validate(
     extra = [
         k
         for k in found
-        if k not in dims and not (k == "lm_head.weight" and cfg.tie_word_embeddings)
+        if k not in want
+        and not k.startswith(ignored)
+        and not (k == "lm_head.weight" and cfg.tie_word_embeddings)
     ]
     if extra:
         raise CheckpointError(
@@ -226,50 +284,39 @@ def validate(
             f"weights belong to different models: use the config.json that came with them."
         )
     if "lm_head.weight" in found and cfg.tie_word_embeddings:
-        dims = {**dims, "lm_head.weight": dims["model.embed_tokens.weight"]}
-    for name, want in dims.items():
+        want["lm_head.weight"] = want[checkpoint_name("model.embed_tokens.weight", cfg)]
+    fields = _dim_fields(cfg)
+    for name, shape in want.items():
         got = tuple(found[name])
-        if got == tuple(n for n, _ in want):
+        if got == shape:
             continue
         why = "the number of dimensions differs"
-        if len(got) == len(want):
-            n, field = next((n, f) for (n, f), g in zip(want, got, strict=True) if n != g)
-            why = f"{field} = {n} in {config_file}"
+        if len(got) == len(shape):
+            n = next(n for n, g in zip(shape, got, strict=True) if n != g)
+            why = " or ".join(f"{f} = {n}" for f in fields.get(n, [])) or f"a dimension of {n}"
+            why += f" in {config_file}"
         raise CheckpointError(
             f"{where}: tensor {name!r} has shape {list(got)}, but {config_file} implies "
-            f"{[n for n, _ in want]} ({why}). config.json and the weights disagree: use the "
+            f"{list(shape)} ({why}). config.json and the weights disagree: use the "
             f"config.json that came with these weights."
         )
-
-
-@contextmanager
-def _skip_init():
-    """Layers fill their weights with random numbers when built; on the meta device there is
-    nothing to fill, and the first random fill of a meta tensor costs seconds (torch loads its
-    Python reference kernels). The loaded weights replace them anyway, so skip it."""
-    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
-    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
-    try:
-        yield
-    finally:
-        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
 
 
 def build_model(
     cfg: Config, tensors: dict[str, torch.Tensor], dtype: torch.dtype | str | None = None
 ) -> CausalLM:
-    """Assign validated tensors to a model built on the meta device (no copy unless dtype asks)."""
+    """Fill a model built on the meta device with validated tensors (by checkpoint name), through
+    chapter 1's `load_weights`, with no copy unless `dtype` asks for one; then apply the runtime
+    speed-ups."""
     dtype = _dtype(dtype)
-    with torch.device("meta"), _skip_init():
-        model = CausalLM(cfg)  # shapes only: no memory, no random init to overwrite
-    keep = expected_shapes(cfg)
-    state = {k: t if dtype is None else t.to(dtype) for k, t in tensors.items() if k in keep}
-    if cfg.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state, strict=True, assign=True)
-    if cfg.tie_word_embeddings:  # assign made two Parameters; make them one again
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval()
+    model = meta_model(cfg)
+    prefix = ARCHITECTURES[cfg.model_type].checkpoint_prefix
+
+    def get_tensor(key: str) -> torch.Tensor:
+        return tensors[key] if dtype is None else tensors[key].to(dtype)
+
+    load_weights(model, tensors, get_tensor, prefix)
+    return convert_for_runtime(model.eval())
 
 
 def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:

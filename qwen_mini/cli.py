@@ -21,11 +21,14 @@ from importlib import metadata
 
 DOCTOR_TEXT = "Hello, 世界! Grüße 👋🏽 — ∑x² = 1\n\tcode:  if x:<|im_end|>"
 # The control-token ids of each tokenizer family, as in the published tokenizer files.
+# (Qwen2.5's own files have no <think>: only Qwen3.5's thinking ids are checked.)
 SPECIAL_IDS = {
     "qwen3": {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645},
-    "qwen3.5": {"<|endoftext|>": 248044, "<|im_start|>": 248045, "<|im_end|>": 248046},
-}
-ALWAYS_OFFLINE = "Qwen/Qwen3-0.6B"  # its tokenizer ships with qwen_mini, so it must load
+    "qwen3.5": {"<|endoftext|>": 248044, "<|im_start|>": 248045, "<|im_end|>": 248046,
+                "<think>": 248068, "</think>": 248069},
+}  # fmt: skip
+# Their tokenizers ship with qwen_mini, so they must load offline.
+ALWAYS_OFFLINE = ("Qwen/Qwen3-0.6B", "Qwen/Qwen3.5-0.8B")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Needs internet and huggingface_hub (pip install -e '.[download]').",
     )
     d.add_argument("model", metavar="MODEL", help="a model name, e.g. Qwen/Qwen3-0.6B")
+    add_chat_parser(sub)
     sub.add_parser("doctor", help="check the installation: versions, models, tokenizer")
     sub.add_parser(
         "grade", help="grade submitted notebooks (qwen-mini grade --help)", add_help=False
@@ -89,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["grade"]:  # grading has its own parser: hand it everything after "grade"
-        from .course.grade import cli as grade_cli
+        from .course.grading.cli import main as grade_cli
 
         return grade_cli(argv[1:])
     try:
@@ -104,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         commands = {"generate": cmd_generate, "download": cmd_download, "doctor": cmd_doctor}
+        commands["chat"] = cmd_chat
         return commands[args.command](args)
     except KeyboardInterrupt:
         print(file=sys.stderr)
@@ -129,11 +134,77 @@ def cmd_download(args) -> int:
     return 0
 
 
+# --- chat -------------------------------------------------------------------------------------
+
+
+def add_chat_parser(sub) -> None:
+    c = sub.add_parser(
+        "chat",
+        help="multi-turn chat in the terminal, thinking shown apart from the answer",
+        description="Chat with MODEL. The history is kept as the Qwen3 template expects and the "
+        "KV cache is reused across turns. Ctrl-D or Ctrl-C ends the chat.",
+    )
+    c.add_argument("model", metavar="MODEL", help="a model name (Qwen/Qwen3-0.6B) or a folder")
+    mode = c.add_mutually_exclusive_group()
+    mode.add_argument("--think", dest="think", action="store_true", default=True,
+                      help="thinking mode (default)")  # fmt: skip
+    mode.add_argument("--no-think", dest="think", action="store_false", help="answer directly")
+    c.add_argument("--budget", type=int, metavar="N", help="at most N thinking tokens per reply")
+    c.add_argument("--max-new-tokens", type=int, default=1024, metavar="N")
+    c.add_argument("--system", help="a system prompt")
+    c.add_argument("--temperature", type=float, help="default: the mode's preset; 0 = greedy")
+    c.add_argument("--seed", type=int, help="makes sampling reproducible")
+
+
+def cmd_chat(args) -> int:
+    from .chat import ChatSession
+    from .hub import load_model
+    from .tokenizer import load_tokenizer
+
+    if args.budget is not None and (args.budget < 0 or not args.think):
+        raise ValueError("--budget N needs N >= 0 and thinking mode (not --no-think).")
+    model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+    session = ChatSession(
+        model, tokenizer, thinking=args.think, budget=args.budget, system=args.system,
+        max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature,
+    )  # fmt: skip
+    tty = sys.stdout.isatty()
+    dim, bold, reset = ("\x1b[2m", "\x1b[1m", "\x1b[0m") if tty else ("", "", "")
+    mode = "thinking" if args.think else "no thinking"
+    budget = f", budget {args.budget} tokens" if args.budget is not None else ""
+    print(f"qwen-mini chat: {args.model} ({mode}{budget}). Ctrl-D or Ctrl-C to leave.")
+    try:
+        while True:
+            try:
+                text = input(f"{bold}you>{reset} ")
+            except EOFError:
+                print()
+                return 0
+            if not text.strip():
+                continue
+            channel = None
+            for kind, piece in session.send(text):
+                if kind != channel:  # a label each time the stream changes channel
+                    label = "[thinking] " if kind == "thinking" else "[answer] "
+                    print(("\n" if channel else "") + (dim if kind == "thinking" else reset)
+                          + label, end="")  # fmt: skip
+                    channel = kind
+                print(piece, end="", flush=True)
+            t = session.turns[-1]
+            rate = t["generated"] / t["seconds"] if t["seconds"] > 0 else float("inf")
+            print(f"{reset}\n{dim}({t['generated']} tokens, {t['thinking']} thinking; "
+                  f"{rate:.1f} tokens/s; prompt {t['prompt']} tokens, {t['reused']} reused "
+                  f"from the cache){reset}")  # fmt: skip
+    except KeyboardInterrupt:
+        print(f"{reset}\n(bye)")
+        return 0
+
+
 # --- generate ---------------------------------------------------------------------------------
 
 
 def cmd_generate(args) -> int:
-    from .generation import generate, sampling_settings
+    from .generation import Sampling, generate
     from .hub import load_model
     from .tokenizer import load_tokenizer
 
@@ -157,15 +228,16 @@ def cmd_generate(args) -> int:
         min_p=args.min_p,
         presence_penalty=args.presence_penalty,
     )
-    print(f"sampling: {describe_settings(sampling_settings(model, **options))}", file=sys.stderr)
+    sampling = Sampling.for_model(model, **options)
+    print(f"sampling: {sampling.describe()}", file=sys.stderr)
     pieces = generate(
         model,
         tokenizer,
         prompt,
         max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
         seed=args.seed,
         stream=True,
-        **options,
     )
     for piece in pieces:
         sys.stdout.write(piece)
@@ -173,19 +245,6 @@ def cmd_generate(args) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     return 0
-
-
-def describe_settings(s: dict) -> str:
-    if s["temperature"] == 0:
-        text = "greedy"
-    else:
-        text = f"temperature {s['temperature']:g}"
-        for key in ("top_k", "top_p", "min_p"):
-            if s[key] is not None:
-                text += f", {key} {s[key]:g}"
-    if s["presence_penalty"]:
-        text += f", presence_penalty {s['presence_penalty']:g}"
-    return text
 
 
 # --- doctor -----------------------------------------------------------------------------------
@@ -237,13 +296,13 @@ def check_tokenizers() -> bool:
 
     print("tokenizers (encode -> decode round trip, control-token ids)")
     ok = True
-    for name in KNOWN_MODELS:
+    for name in dict.fromkeys([*KNOWN_MODELS, *ALWAYS_OFFLINE]):
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 tokenizer = load_tokenizer(name)
         except Exception as e:
-            if name == ALWAYS_OFFLINE or find_local(name) is not None:
+            if name in ALWAYS_OFFLINE or find_local(name) is not None:
                 print(f"  {name}: FAIL {e}")
                 ok = False
             else:
@@ -254,6 +313,9 @@ def check_tokenizers() -> bool:
         print(f"  {name}: " + ("OK" if not problems else "FAIL " + "; ".join(problems)))
         for w in caught:  # e.g. a vendored stand-in for the model's own files
             print(f"    note: {w.message}")
+        print(f"    from {tokenizer.path}")
+        if tokenizer.chat_template is None:
+            print("    note: no chat template (chat prompts need the checkpoint's own files)")
     return ok
 
 
@@ -262,7 +324,7 @@ def tokenizer_problems(name: str, tokenizer) -> list[str]:
     ids = tokenizer.encode(DOCTOR_TEXT)
     if tokenizer.decode(ids) != DOCTOR_TEXT:
         problems.append(f"decode(encode(text)) gives {tokenizer.decode(ids)!r}")
-    family = "qwen3.5" if "qwen3.5" in name.lower() else "qwen3"
+    family = "qwen3.5" if any(v in name.lower() for v in ("qwen3.5", "qwen3.6")) else "qwen3"
     for token, want in SPECIAL_IDS[family].items():
         got = tokenizer.special_tokens.get(token)
         if got != want:

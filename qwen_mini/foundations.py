@@ -41,7 +41,7 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: gate_proj and up_proj widen x, down_proj narrows it back."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -68,7 +68,7 @@ def rope_cos_sin(
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension."""
+    """The partner of x that sin multiplies in the rotation of each (i, i + D/2) pair."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
 

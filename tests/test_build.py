@@ -205,3 +205,32 @@ def test_check_detects_drift(tree, capsys):
     built(tree, capsys)
     assert "return 1 + x" in (tree / "qwen_mini" / "ch99_fixture.py").read_text()
     assert build.main(["--root", str(tree), "--check"]) == 0
+
+
+@pytest.mark.skipif(RUFF is None, reason="ruff is not installed")
+def test_a_cell_tag_exports_to_a_second_module(tree, capsys):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["qwen_mini"] = {"export": "qwen_mini/first.py"}
+    nb.cells = [
+        nbformat.v4.new_code_cell("def f():\n    return 1", id="a"),
+        nbformat.v4.new_code_cell("def g():\n    return 2", id="b"),
+        nbformat.v4.new_code_cell("def h():\n    return 3", id="c"),
+        nbformat.v4.new_code_cell("print('not exported')", id="d"),
+    ]
+    nb.cells[0].metadata["tags"] = ["export"]
+    nb.cells[1].metadata["tags"] = ["export:qwen_mini/second.py"]
+    nb.cells[2].metadata["tags"] = ["export"]
+    nbformat.write(nb, tree / "solutions" / "ch98_two.ipynb")
+    assert build.main(["--root", str(tree)]) == 0
+    capsys.readouterr()
+    first = (tree / "qwen_mini" / "first.py").read_text()
+    second = (tree / "qwen_mini" / "second.py").read_text()
+    assert "def f()" in first and "def h()" in first and "def g()" not in first
+    assert "def g()" in second and "def f()" not in second and "print(" not in second
+    assert second.startswith("# Generated from solutions/ch98_two.ipynb")
+    assert build.main(["--root", str(tree), "--check"]) == 0
+
+    nb.cells[1].metadata["tags"] = ["export:elsewhere/second.py"]
+    nbformat.write(nb, tree / "solutions" / "ch98_two.ipynb")
+    assert build.main(["--root", str(tree)]) == 1
+    assert "export target 'elsewhere/second.py' is not qwen_mini/<x>.py" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from helpers import hf_logits, write_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from qwen_mini import CausalLM, CheckpointError, Config
+from qwen_mini import CheckpointError, Config
 from qwen_mini.checkpoint import expected_shapes, load_checkpoint
 
 IDS = torch.tensor([[3, 17, 99, 42, 5, 64, 120, 7], [1, 2, 3, 4, 5, 6, 7, 8]])
@@ -45,17 +45,13 @@ def test_logits_match_transformers(tmp_path, model_type, tied, shards):
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_expected_shapes_are_the_model_state_dict(model_type, tied):
-    cfg = Config.from_dict(
-        dict(model_type=model_type, vocab_size=50, hidden_size=24, intermediate_size=40,
-             num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
-             max_position_embeddings=64, tie_word_embeddings=tied)
-    )  # fmt: skip
-    with torch.device("meta"):
-        sd = CausalLM(cfg).state_dict()
-    if tied:
-        del sd["lm_head.weight"]  # the tied head is the embedding, not a stored tensor
-    assert expected_shapes(cfg) == {k: tuple(v.shape) for k, v in sd.items()}
+def test_expected_shapes_are_what_transformers_writes(tmp_path, model_type, tied):
+    """The names and shapes read off our meta model equal those transformers saves."""
+    write_checkpoint(tmp_path, model_type, tied=tied, num_hidden_layers=3, attention_bias=True)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    cfg = Config.from_file(tmp_path / "config.json")
+    assert expected_shapes(cfg) == saved
 
 
 def test_stored_head_of_tied_checkpoint_is_ignored(tmp_path):
@@ -237,3 +233,26 @@ def test_peak_memory_of_bf16_load_is_about_the_file(tmp_path):
     peak, size = map(int, out.stdout.split())
     assert size > 200e6
     assert peak <= 1.2 * size, f"peak {peak / 1e6:.0f} MB for a {size / 1e6:.0f} MB file"
+
+
+def test_meta_build_skips_the_random_init_of_every_module_type():
+    """Conv1d (Gated DeltaNet), Embedding, Linear: all initialise through torch.nn.init, which
+    the meta build silences, and restores afterwards."""
+    from qwen_mini.checkpoint import _no_init
+
+    with _no_init():
+        layers = [
+            torch.nn.Conv1d(4, 4, 3, groups=4),
+            torch.nn.Embedding(5, 4),
+            torch.nn.Linear(4, 4),
+        ]
+        for layer in layers:
+            with torch.no_grad():
+                layer.weight.fill_(7.0)
+            layer.reset_parameters()  # what the constructor called: now a no-op
+            assert torch.all(layer.weight == 7.0), type(layer).__name__
+    layer = torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        layer.weight.fill_(7.0)
+    layer.reset_parameters()
+    assert not torch.all(layer.weight == 7.0)  # restored

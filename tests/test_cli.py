@@ -91,7 +91,9 @@ def test_grade_gets_the_rest_of_the_arguments(monkeypatch):
         seen["argv"] = argv
         return 7
 
-    monkeypatch.setitem(sys.modules, "qwen_mini.course.grade", types.SimpleNamespace(cli=fake_cli))
+    monkeypatch.setitem(
+        sys.modules, "qwen_mini.course.grading.cli", types.SimpleNamespace(main=fake_cli)
+    )
     assert main(["grade", "submissions/", "--chapter", "1", "--help"]) == 7
     assert seen["argv"] == ["submissions/", "--chapter", "1", "--help"]
 

@@ -2,12 +2,15 @@
 
 import math
 
+import helpers
 import pytest
 import torch
+from helpers import tiny_config
 from torch import nn
 
 from qwen_mini import CausalLM, Config
 from qwen_mini.generation import (
+    Sampling,
     apply_presence_penalty,
     apply_temperature,
     filter_logits,
@@ -15,36 +18,19 @@ from qwen_mini.generation import (
     generate_tokens,
     min_p_filter,
     next_token,
-    sampling_settings,
     stream_text,
     top_k_filter,
     top_p_filter,
 )
 
-TINY = {
-    "model_type": "qwen3",
-    "vocab_size": 97,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "max_position_embeddings": 64,
-    "rope_theta": 10000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True,
-    "eos_token_id": 96,
-}
+TINY = tiny_config(
+    vocab_size=97, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True, eos_token_id=96
+)
 
 
 def tiny_model(model_type="qwen3", seed=0):
-    torch.manual_seed(seed)
-    model = CausalLM(Config.from_dict({**TINY, "model_type": model_type})).eval()
-    with torch.no_grad():  # larger weights than the default init: sharper, less tied logits
-        for p in model.parameters():
-            p.normal_(0, 0.5)
-    return model
+    # larger weights than the default init: sharper, less tied logits
+    return helpers.tiny_model(**{**TINY, "model_type": model_type}, seed=seed, std=0.5)
 
 
 class FakeCache:
@@ -242,7 +228,7 @@ def test_presence_penalty_in_the_loop():
 
 def test_sampling_respects_the_filters_and_the_probabilities():
     logits = torch.log(torch.tensor(PROBS))
-    s = dict(temperature=1.0, top_k=None, top_p=0.79, min_p=None, presence_penalty=0.0)
+    s = Sampling(temperature=1.0, top_p=0.79)
     gen = torch.Generator().manual_seed(0)
     seen = torch.zeros(4, dtype=torch.bool)
     draws = [next_token(logits, seen, s, gen) for _ in range(2000)]
@@ -285,7 +271,7 @@ def test_filters_match_transformers_warpers():
 
 def test_settings_come_from_generation_config_else_greedy():
     model = tiny_model()
-    assert sampling_settings(model)["temperature"] == 0.0  # no generation_config: greedy
+    assert Sampling.for_model(model).temperature == 0.0  # no generation_config: greedy
     model.generation_config = {
         "do_sample": True,
         "temperature": 0.6,
@@ -293,14 +279,14 @@ def test_settings_come_from_generation_config_else_greedy():
         "top_p": 0.95,
         "eos_token_id": [151645, 151643],
     }
-    s = sampling_settings(model)
-    assert (s["temperature"], s["top_k"], s["top_p"], s["min_p"]) == (0.6, 20, 0.95, None)
-    s = sampling_settings(model, temperature=0.7, top_p=0.8)  # explicit values win
-    assert (s["temperature"], s["top_k"], s["top_p"]) == (0.7, 20, 0.8)
+    s = Sampling.for_model(model)
+    assert (s.temperature, s.top_k, s.top_p, s.min_p) == (0.6, 20, 0.95, None)
+    s = Sampling.for_model(model, temperature=0.7, top_p=0.8)  # explicit values win
+    assert (s.temperature, s.top_k, s.top_p) == (0.7, 20, 0.8)
     model.generation_config = {"do_sample": False, "temperature": 0.6}
-    assert sampling_settings(model)["temperature"] == 0.0
+    assert Sampling.for_model(model).temperature == 0.0
     with pytest.raises(ValueError, match="top_p"):
-        sampling_settings(model, top_p=1.5)
+        Sampling.for_model(model, top_p=1.5)
 
 
 # --- stopping ---------------------------------------------------------------------------------

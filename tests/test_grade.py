@@ -1,254 +1,979 @@
-"""The grader on the fixture chapter: good, empty and hostile submissions in one run.
+"""The grader's red-team corpus: submissions of the fixture chapter 98 written to break it.
 
-One `qwen-mini grade` run grades every submission below (the slow part is starting the worker
-that imports torch, so it happens once); each test then reads that run's CSV and JSON reports.
+One `qwen-mini grade` run grades every submission below (starting the sandbox's zygote, which
+imports torch, is the slow part, so it happens once); each test reads that run's CSV and JSON
+reports and asserts a property an instructor relies on, whatever mechanism provides it:
+
+1. one student cannot change another student's result;
+2. nothing in one notebook stops the run, and every input gets a row;
+3. honest notebooks are graded as Jupyter runs them;
+4. a blank notebook cannot earn marks.
+
+Submissions are the solution notebook ("solution") or the fresh learner copy ("blank") with some
+cells replaced. The solution is graded again first and last ("a_first", "z_last"): its row must
+not change whatever the submissions graded between them did.
 """
 
 import csv
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from qwen_mini.course import build, grade
+from qwen_mini.course import build
 from qwen_mini.course import notebooks as nbs
 from qwen_mini.course.checking import PATH_ENV
+from qwen_mini.course.grading import cli as grade
+from qwen_mini.course.grading.sandbox import PROCESS_OUTPUT_CAP
 
+ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).parent / "fixtures"
-SOLUTION = FIXTURES / "solutions" / "ch99_fixture.ipynb"
-IDS = ["ch99.add_one", "ch99.mean_square", "ch99.Scale"]
-TIMEOUT = 2  # seconds per exercise
+SOLUTION = FIXTURES / "solutions" / "ch98_grading.ipynb"
+IDS = ["ch98.add_one", "ch98.add_two", "ch98.mean_square", "ch98.Scale"]
+FULL = ["1", "1", "2", "1"]
+TIMEOUT, BUDGET = 6, 15  # seconds per cell / exercise, and per notebook
+ROOTED = os.geteuid() == 0  # learner code runs as a user of its own only when the grader is root
+MARKER = f"qwen-mini-redteam-{os.getpid()}"  # in the command line of processes submissions start
 
-ADD_ONE = 'def add_one(x):\n    return x + 1\n\n\ncheck("ch99.add_one", add_one)'
-CHECK_MEAN_SQUARE = 'check("ch99.mean_square", mean_square)'
-# each submission: the solution notebook with these cells (by id) replaced; None deletes the cell
+ADD_ONE = 'def add_one(x):\n    return x + 1\n\n\ncheck("ch98.add_one", add_one)'
+ADD_TWO = 'def add_two(x):\n    return add_one(add_one(x))\n\n\ncheck("ch98.add_two", add_two)'
+MEAN_SQUARE = (
+    "def mean_square(x, dim=-1):\n    if x.shape[dim] == 0:\n        return x.sum(dim)\n"
+    '    return x.pow(2).mean(dim)\n\n\ncheck("ch98.mean_square", mean_square)'
+)
+REF = "from qwen_mini.course.checking import reference\n\n_ref = reference('ch98.add_one')\n"
+IS_SOCK = (
+    "import os\nimport stat\n\n\ndef _is_sock(fd):\n    try:\n"
+    "        return stat.S_ISSOCK(os.fstat(fd).st_mode)\n"
+    "    except OSError:\n"
+    "        return False\n"
+)
+FORGED = (
+    IS_SOCK + "\n\nimport json\nimport struct\n\n"
+    "for fd in [fd for fd in range(3, 64) if _is_sock(fd)]:\n"
+    "    for i in range(1, 40):\n"
+    "        for body in ({'id': i, 're': {'t': 'dict', 'v': [['ok', True], ['notes', {'t': 'list',"
+    " 'v': []}], ['checked', {'t': 'list', 'v': []}], ['status', 'passed'], ['points', 99]]}},"
+    " {'event': 'result', 'id': 'ch98.add_one', 'status': 'passed', 'points': 1}):\n"
+    "            data = json.dumps(body).encode()\n"
+    "            os.write(fd, struct.pack('>I', len(data)) + data)\n"
+)
+LINGER = (  # processes that try to outlive the grading: detached, in new sessions
+    "import os\nimport subprocess\nimport time\n\n"
+    f"subprocess.Popen(['/bin/sh', '-c', 'sleep 600; :', '{MARKER}'], start_new_session=True)\n"
+    "if os.fork() == 0:  # a double fork into a new session, sleeping\n"
+    "    os.setsid()\n"
+    "    if os.fork() == 0:\n"
+    "        time.sleep(600)\n"
+    "    os._exit(0)\n"
+)
+PLANT = (  # files where a later interpreter might import them
+    "import os\nimport sys\n\nplanted = []\n"
+    "for folder in [os.getcwd(), os.path.expanduser('~'), '/tmp', *sys.path]:\n"
+    "    for name in ('torch.py', 'sitecustomize.py', 'usercustomize.py', 'qwen_mini.py'):\n"
+    "        try:\n"
+    "            with open(os.path.join(folder, name), 'w') as f:\n"
+    "                f.write('raise SystemExit(\"planted\")')\n"
+    "            planted.append(os.path.join(folder, name))\n"
+    "        except OSError:\n"
+    "            pass\n"
+    "print('CWD=' + os.getcwd())\n"
+    "print('UID=' + str(os.getuid()))\n"
+)
+OVERWRITE_CSV = (  # a detached process that rewrites any --out file it can find, for a minute
+    "import glob\nimport os\nimport time\n\n"
+    "if os.fork() == 0:\n"
+    "    os.setsid()\n"
+    "    end = time.time() + 60\n"
+    "    while time.time() < end:\n"
+    "        for cmd in ['@OUT@', *glob.glob('/proc/*/cmdline')]:  # told where it is, or not\n"
+    "            try:\n"
+    "                args = [b'--out', cmd.encode()] if cmd == '@OUT@' else"
+    " open(cmd, 'rb').read().split(b'\\0')\n"
+    "                out = args[args.index(b'--out') + 1].decode()\n"
+    "                open(out, 'w').write('notebook,total\\nhacked,999\\n')\n"
+    "            except Exception:\n"
+    "                pass\n"
+    "        time.sleep(0.05)\n"
+)
+HELPER = (  # a process started in a cell that would compute answers while the checks run
+    "import subprocess\n\n"
+    f"helper = subprocess.Popen(['/bin/sh', '-c', 'sleep 600; :', '{MARKER}'])\n"
+)
+
+# name: (base notebook, {cell id: new source, None to delete it, a list for several cells})
 SUBMISSIONS = {
-    "raises": {"add-one": 'raise ValueError("boom")\n' + ADD_ONE},
-    "hidden": {"add-one": ADD_ONE.replace("x + 1", "x + 1.0")},  # public checks pass, hidden fail
-    "loops": {"mean-square": "while True:\n    pass\n" + CHECK_MEAN_SQUARE},
-    "hangs_in_check": {
-        "scale": "class Scale:\n    def __init__(self, f):\n        while True:\n"
-        "            pass\n\n\ncheck('ch99.Scale', Scale)"
-    },
-    "hog": {
-        "add-one": "import torch\n\nblob = torch.empty(8 * 2**30, dtype=torch.uint8)\n" + ADD_ONE
-    },
-    "chatty": {
-        "add-one": ADD_ONE + "\nfor _ in range(100_000):\n    print('x' * 50)\n"
-        "import os\nos.write(1, b'y' * 3_000_000)"
-    },
-    "sys_exit": {"mean-square": "import sys\n\nsys.exit(3)\n" + CHECK_MEAN_SQUARE},
-    "os_exit": {"add-one": "import os\n\nos._exit(7)\n" + ADD_ONE},
-    "kills_worker": {
-        "mean-square": "import os\nimport signal\n\nos.kill(os.getppid(), signal.SIGKILL)\n"
-        + CHECK_MEAN_SQUARE
-    },
-    "patches_torch": {
-        "add-one": "import torch\n\ntorch.allclose = lambda *a, **k: True\n" + ADD_ONE
-    },
-    "patches_checks": {
-        "add-one": "from qwen_mini.course import checking\n\nchecking._EXERCISES['ch99.add_one']"
-        ".public.clear()\n" + ADD_ONE.replace("x + 1", "x + 2")
-    },
-    "missing": {"scale": None},
-    "duplicated": {"solution-demo": ADD_ONE.replace("x + 1", "x - 1")},  # a later, wrong copy
-    "imports": {"add-one": "import qwen_mini.cli\nimport torch.distributions\n\n" + ADD_ONE},
-    "magics": {
-        "scale": "%%time\n%matplotlib inline\n!echo hello\nclass Scale:\n"
-        "    def __init__(self, f):\n        self.f = f\n\n    def __call__(self, x):\n"
-        "        return x * self.f\n\n\ncheck('ch99.Scale', Scale)"
-    },
-    "borrowed": {
-        "add-one": "from qwen_mini_extra_exercises.ch99 import _add_one as add_one\n\n"
-        'check("ch99.add_one", add_one)'
-    },
+    # 1. one student cannot change another student's result
+    "s1_plants_modules": (
+        "solution",
+        {"setup": ["import torch\n\nfrom qwen_mini.course import check, use", PLANT]},
+    ),
+    "s1_plants_too": (
+        "solution",
+        {"setup": ["import torch\n\nfrom qwen_mini.course import check, use", PLANT]},
+    ),
+    "s1_lingers": (
+        "solution",
+        {"setup": ["import torch\n\nfrom qwen_mini.course import check, use", LINGER]},
+    ),
+    "s1_kills_its_parent": (
+        "solution",
+        {
+            "add-one": "import os\nimport signal\n\nos.kill(os.getppid(), signal.SIGKILL)\n"
+            + ADD_ONE
+        },
+    ),
+    "s1_rewrites_csv": (
+        "solution",
+        {"setup": ["import torch\n\nfrom qwen_mini.course import check, use", OVERWRITE_CSV]},
+    ),
+    "s1_writes_repository": (
+        "solution",
+        {
+            "add-one": f"for p in ['{ROOT}/solutions/pwned_{MARKER}.py', '{ROOT}/qwen_mini/pwne"
+            f"d_{MARKER}.py']:\n"
+            "    try:\n        open(p, 'w').write('x = 1')\n    except OSError:\n        pass\n\n"
+            + ADD_ONE
+        },
+    ),
+    # 2. nothing in one notebook stops the run
+    "s2_garbage_on_channel": (
+        "solution",
+        {
+            "add-one": IS_SOCK
+            + (
+                "\n"
+                "for fd in [fd for fd in range(3, 64) if _is_sock(fd)]:\n"
+                "    os.write(fd, b'\\x00\\x00\\x00\\x05hello')\n"
+                "\n"
+            )
+            + ADD_ONE
+        },
+    ),
+    "s2_stops_itself": (
+        "solution",
+        {
+            "mean-square": "import os\nimport signal\n\nos.kill(os.getpid(), signal.SIGSTOP)\n"
+            + MEAN_SQUARE
+        },
+    ),
+    "s2_prints_forever": (
+        "solution",
+        {"mean-square": "while True:\n    print('still working...', flush=True)\n" + MEAN_SQUARE},
+    ),
+    "s2_over_budget": (
+        "solution",
+        {"mean-square": ["import time\n\ntime.sleep(2.5)"] * 8 + [MEAN_SQUARE]},
+    ),
+    "s2_surrogates": (
+        "solution",
+        {
+            "add-one": "print('\\udc80 lone')\n" + ADD_ONE,
+            "mean-square": "raise ValueError('bad \\udc80 text')\n" + MEAN_SQUARE,
+        },
+    ),
+    "s2_unknown_id": (
+        "solution",
+        {"add-one": ADD_ONE + '\ncheck("ch98.nope", add_one)\ncheck("ch01.causal_mask", add_one)'},
+    ),
+    "s2_megabytes": (
+        "solution",
+        {
+            "add-one": ADD_ONE
+            + (
+                "\n"
+                "import os\n"
+                "\n"
+                "os.write(1, b'y' * 3_000_000)\n"
+                "for _ in range(50_000):\n"
+                "    print('x' * 50)"
+            )
+        },
+    ),
+    "s2_sys_exit": ("solution", {"mean-square": "import sys\n\nsys.exit(3)\n" + MEAN_SQUARE}),
+    "s2_os_exit": ("solution", {"mean-square": "import os\n\nos._exit(7)\n" + MEAN_SQUARE}),
+    "s2_memory_hog": (
+        "solution",
+        {
+            "mean-square": "import torch\n\nblob = torch.empty(8 * 2**30, dtype=torch.uint8)\n"
+            + MEAN_SQUARE
+        },
+    ),
+    "s2_loops": ("solution", {"mean-square": "while True:\n    pass\n" + MEAN_SQUARE}),
+    # 3. honest notebooks are graded as Jupyter runs them
+    "s3_helper_cell": (
+        "solution",
+        {
+            "add-one": [
+                "def _plus(x, n):\n    return x + n",
+                'def add_one(x):\n    return _plus(x, 1)\n\n\ncheck("ch98.add_one", add_one)',
+            ]
+        },
+    ),
+    "s3_split_cells": (
+        "solution",
+        {"add-one": ["def add_one(x):\n    return x + 1", 'check("ch98.add_one", add_one)']},
+    ),
+    "s3_renamed": (
+        "solution",
+        {
+            "add-one": 'def plus_one(x):\n    return x + 1\n\n\ncheck("ch98.add_one", plus_one)',
+            "add-two": (
+                "def add_two(x):\n"
+                "    return plus_one(plus_one(x))\n"
+                "\n"
+                "\n"
+                'check("ch98.add_two", add_two)'
+            ),
+        },
+    ),
+    "s3_qualified": (
+        "solution",
+        {
+            "add-one": (
+                "import qwen_mini.course as course\n"
+                "\n"
+                "\n"
+                "def add_one(x):\n"
+                "    return x + 1\n"
+                "\n"
+                "\n"
+                'course.check("ch98.add_one", add_one)'
+            ),
+            "scale": (
+                "from qwen_mini.course import checking\n"
+                "\n"
+                "\n"
+                "class Scale:\n"
+                "    def __init__(self, f):\n"
+                "        self.f = f\n"
+                "\n"
+                "    def __call__(self, x):\n"
+                "        return x * self.f\n"
+                "\n"
+                "\n"
+                "checking.check('ch98.Scale', Scale)"
+            ),
+        },
+    ),
+    "s3_no_check_call": ("solution", {"mean-square": MEAN_SQUARE.split("\n\n\ncheck")[0]}),
+    "s3_torch_compile": (
+        "solution",
+        {
+            "add-one": (
+                "import torch._dynamo\n"
+                "\n"
+                "f = torch.compile(lambda t: t * 2, backend='eager')\n"
+                "print(f(torch.ones(2)))\n"
+            )
+            + ADD_ONE
+        },
+    ),
+    "s3_magics": (
+        "solution",
+        {
+            "scale": (
+                "%%time\n"
+                "%matplotlib inline\n"
+                "!echo hello\n"
+                "class Scale:\n"
+                "    def __init__(self, f):\n"
+                "        self.f = f\n"
+                "\n"
+                "    def __call__(self, x):\n"
+                "        return x * self.f\n"
+                "\n"
+                "\n"
+                "check('ch98.Scale', Scale)"
+            )
+        },
+    ),
+    "s3_fallback_after_timeout": ("solution", {"add-one": "while True:\n    pass\n" + ADD_ONE}),
+    "s3_fallback_after_crash": ("solution", {"add-one": "import os\n\nos._exit(1)\n" + ADD_ONE}),
+    "s3_fallback_after_missing": ("solution", {"add-one": None}),
+    "s3_calls_earlier_package_piece": (
+        "solution",
+        {
+            "add-two": REF
+            + '\n\ndef add_two(x):\n    return _ref(_ref(x))\n\n\ncheck("ch98.add_two", add_two)'
+        },
+    ),
+    # 4. a blank notebook cannot earn marks
+    "s4_wrapper": (
+        "blank",
+        {
+            "add-one": REF
+            + '\n\ndef add_one(x):\n    return _ref(x)\n\n\ncheck("ch98.add_one", add_one)'
+        },
+    ),
+    "s4_registry": (
+        "blank",
+        {
+            "add-one": (
+                "from qwen_mini.course.checking import get\n"
+                "\n"
+                'add_one = get("ch98.add_one").reference\n'
+                'check("ch98.add_one", add_one)'
+            )
+        },
+    ),
+    "s4_partial": (
+        "blank",
+        {
+            "add-one": REF
+            + (
+                "import functools\n"
+                "\n"
+                "add_one = functools.partial(_ref)\n"
+                'check("ch98.add_one", add_one)'
+            )
+        },
+    ),
+    "s4_subclass": (
+        "blank",
+        {
+            "scale": (
+                "from qwen_mini.course.checking import reference\n"
+                "\n"
+                "\n"
+                'class Scale(reference("ch98.Scale")):\n'
+                "    pass\n"
+                "\n"
+                "\n"
+                'check("ch98.Scale", Scale)'
+            )
+        },
+    ),
+    "s4_function_copy": (
+        "blank",
+        {
+            "add-one": REF
+            + (
+                "import types\n"
+                "\n"
+                "add_one = types.FunctionType(_ref.__code__, {})\n"
+                'check("ch98.add_one", add_one)'
+            )
+        },
+    ),
+    "s4_code_replace": (
+        "blank",
+        {
+            "add-one": REF
+            + (
+                "import types\n"
+                "\n"
+                'add_one = types.FunctionType(_ref.__code__.replace(co_name="add_one", '
+                "co_firstlineno=1), {})\n"
+                'check("ch98.add_one", add_one)'
+            )
+        },
+    ),
+    "s4_marshal": (
+        "blank",
+        {
+            "add-one": REF
+            + (
+                "import marshal\n"
+                "import types\n"
+                "\n"
+                "add_one = types.FunctionType(marshal.loads(marshal.dumps(_ref.__code__"
+                ")), {})\n"
+                'check("ch98.add_one", add_one)'
+            )
+        },
+    ),
+    "s4_exec_source": (
+        "blank",
+        {
+            "add-one": REF
+            + (
+                "import inspect\n"
+                "\n"
+                "exec(inspect.getsource(_ref))\n"
+                "add_one = _add_one\n"
+                'check("ch98.add_one", add_one)'
+            )
+        },
+    ),
+    "s4_thread": (
+        "blank",
+        {
+            "add-one": REF
+            + (
+                "import threading\n"
+                "\n"
+                "\n"
+                "def add_one(x):\n"
+                "    out = []\n"
+                "    t = threading.Thread(target=lambda: out.append(_ref(x)))\n"
+                "    t.start()\n"
+                "    t.join()\n"
+                "    return out[0]\n"
+                "\n"
+                "\n"
+                'check("ch98.add_one", add_one)'
+            )
+        },
+    ),
+    "s4_background_thread": (
+        "blank",
+        {
+            "add-one": REF
+            + (
+                "import queue\n"
+                "import threading\n"
+                "\n"
+                "jobs, answers = queue.Queue(), queue.Queue()\n"
+                "threading.Thread(target=lambda: [answers.put(_ref(jobs.get())) for _ i"
+                "n iter(int, 1)], daemon=True).start()\n"
+                "\n"
+                "\n"
+                "def add_one(x):\n"
+                "    jobs.put(x)\n"
+                "    return answers.get()\n"
+                "\n"
+                "\n"
+                'check("ch98.add_one", add_one)'
+            )
+        },
+    ),
+    "s4_unhook": (
+        "blank",
+        {
+            "add-one": REF
+            + (
+                "import sys\n"
+                "\n"
+                "\n"
+                "def add_one(x):\n"
+                "    sys.setprofile(None)\n"
+                "    return _ref(x)\n"
+                "\n"
+                "\n"
+                'check("ch98.add_one", add_one)'
+            )
+        },
+    ),
+    "s4_always_equal": (
+        "blank",
+        {
+            "mean-square": (
+                "class Yes:\n"
+                "    def __eq__(self, other):\n"
+                "        return True\n"
+                "\n"
+                "    def __bool__(self):\n"
+                "        return True\n"
+                "\n"
+                "    def tolist(self):\n"
+                "        return self\n"
+                "\n"
+                "    def __getattr__(self, name):\n"
+                "        return self\n"
+                "\n"
+                "    def __call__(self, *a, **k):\n"
+                "        return self\n"
+                "\n"
+                "\n"
+                "def mean_square(x, dim=-1):\n"
+                "    return Yes()\n"
+                "\n"
+                "\n"
+                "check('ch98.mean_square', mean_square)"
+            )
+        },
+    ),
+    "s4_tensor_subclass": (
+        "blank",
+        {
+            "mean-square": (
+                "import torch\n"
+                "\n"
+                "\n"
+                "class Agree(torch.Tensor):\n"
+                "    @classmethod\n"
+                "    def __torch_function__(cls, func, types, args=(), kwargs=None):\n"
+                "        return torch.tensor(True)\n"
+                "\n"
+                "\n"
+                "def mean_square(x, dim=-1):\n"
+                "    return torch.zeros(x.shape[0]).as_subclass(Agree)\n"
+                "\n"
+                "\n"
+                "check('ch98.mean_square', mean_square)"
+            )
+        },
+    ),
+    "s4_helper_process": (
+        "blank",
+        {
+            "setup": ["import torch\n\nfrom qwen_mini.course import check, use", HELPER],
+            "add-one": REF
+            + "\n\ndef add_one(x):\n    return _ref(x)\n\n\ncheck('ch98.add_one', add_one)",
+        },
+    ),
+    "s4_patches_torch": (
+        "blank",
+        {
+            "setup": (
+                "import torch\n"
+                "\n"
+                "from qwen_mini.course import check, use\n"
+                "\n"
+                "torch.allclose = lambda *a, **k: True\n"
+                "torch.isclose = lambda a, b, **k: torch.ones_like(a, dtype=torch.bool)"
+                "\n"
+                "torch.Tensor.__eq__ = lambda *a: True"
+            )
+        },
+    ),
+    "s4_patches_while_checked": (
+        "blank",
+        {
+            "add-one": (
+                "import torch\n"
+                "\n"
+                "\n"
+                "def add_one(x):\n"
+                "    torch.isclose = lambda a, b, **k: torch.ones_like(a, dtype=torch.b"
+                "ool)\n"
+                "    return x\n"
+                "\n"
+                "\n"
+                "check('ch98.add_one', add_one)"
+            )
+        },
+    ),
+    "s4_patches_checks": (
+        "blank",
+        {
+            "setup": (
+                "import torch\n"
+                "\n"
+                "from qwen_mini.course import check, use\n"
+                "from qwen_mini.course import checking\n"
+                "\n"
+                "for e in list(checking._EXERCISES.values()):\n"
+                "    e.public.clear()\n"
+                "    e.hidden.clear()"
+            )
+        },
+    ),
+    "s4_forges_results": ("blank", {"add-one": FORGED + "\n" + ADD_ONE.replace("x + 1", "x")}),
 }
+if ROOTED:  # only safe where learner code runs as a user of its own: it kills all it can
+    SUBMISSIONS["s1_kills_everything"] = (
+        "solution",
+        {"add-one": "import os\nimport signal\n\nos.kill(-1, signal.SIGKILL)\n" + ADD_ONE},
+    )
+    SUBMISSIONS["s1_fork_bomb"] = (
+        "solution",
+        {"add-one": "import os\n\nwhile True:\n    os.fork()\n" + ADD_ONE},
+    )
 
 
-def _submission(folder: Path, name: str, changes: dict) -> Path:
-    nb = nbs.load(SOLUTION)
+def _notebook(base: dict, changes: dict) -> dict:
+    nb = json.loads(json.dumps(base))
     cells = []
     for cell in nb["cells"]:
-        if cell.get("id") in changes:
-            if changes[cell["id"]] is None:
-                continue
-            cell = dict(cell, source=changes[cell["id"]], cell_type="code")
-        cells.append(cell)
+        if cell.get("id") not in changes:
+            cells.append(cell)
+            continue
+        new = changes[cell["id"]]
+        if new is None:
+            continue
+        for n, text in enumerate(new if isinstance(new, list) else [new]):
+            cells.append(dict(cell, id=f"{cell['id']}-{n}", source=text, cell_type="code"))
     nb["cells"] = cells
-    path = folder / f"{name}.ipynb"
-    path.write_text(nbs.dumps(nb))
-    return path
+    return nb
 
 
-@pytest.fixture(scope="module")
-def graded(tmp_path_factory):
-    """Grade every submission once; return (exit code, CSV rows by name, reports by name)."""
-    folder = tmp_path_factory.mktemp("submissions")
-    learner = build.learner_notebook(nbs.load(SOLUTION), SOLUTION.name)
-    (folder / "learner.ipynb").write_text(nbs.dumps(learner))
-    (folder / "solution.ipynb").write_text(SOLUTION.read_text())
-    for name, changes in SUBMISSIONS.items():
-        _submission(folder, name, changes)
-    (folder / "garbage.ipynb").write_text("this is not JSON {")
-    out, reports = folder / "out" / "grades.csv", folder / "reports"
+def _run(folder: Path, out: Path, extra: list[str] = ()) -> int:
     old = os.environ.get(PATH_ENV)
     os.environ[PATH_ENV] = str(FIXTURES / "checks")
     try:
-        code = grade.cli(
-            [
-                "--chapter",
-                "99",
-                "--solutions",
-                str(FIXTURES / "solutions"),
-                "--out",
-                str(out),
-                "--reports",
-                str(reports),
-                "--timeout",
-                str(TIMEOUT),
-                "--memory-mb",
-                "1024",
-                str(folder),
-            ]
+        return grade.main(
+            ["--chapter", "98", "--solutions", str(FIXTURES / "solutions"), "--out", str(out)]
+            + ["--timeout", str(TIMEOUT), "--budget", str(BUDGET), "--memory-mb", "1024"]
+            + list(extra)
         )
     finally:
         if old is None:
             del os.environ[PATH_ENV]
         else:
             os.environ[PATH_ENV] = old
-    with open(out, newline="") as f:
-        rows = list(csv.reader(f))
-    by_name = {Path(r[0]).stem: r for r in rows[1:]}
-    found = {p.stem: json.loads(p.read_text()) for p in reports.glob("*.json")}
-    return code, rows[0], by_name, found
 
 
-def status(report, exercise):
-    return report["exercises"][exercise]["status"]
+def _rows(out: Path) -> dict[str, dict]:
+    with open(out, newline="", encoding="utf-8") as f:
+        return {Path(r["notebook"]).stem: r for r in csv.DictReader(f)}
 
 
-def test_run_finishes_and_writes_every_row(graded):
-    code, header, rows, reports = graded
-    assert code == 0
-    assert header == ["notebook", *IDS, "total"]
-    expected = {"learner", "solution", "garbage", *SUBMISSIONS}
-    assert set(rows) == expected and set(reports) == expected
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    """Grade the corpus once: (exit code, rows by name, reports by name, seconds, folder)."""
+    folder = tmp_path_factory.mktemp("submissions")
+    solution = nbs.load(SOLUTION)
+    blank = build.learner_notebook(solution, SOLUTION.name)
+    bases = {"solution": solution, "blank": blank}
+    for name in ("a_first", "solution", "z_last"):
+        (folder / f"{name}.ipynb").write_text(nbs.dumps(solution))
+    (folder / "blank.ipynb").write_text(nbs.dumps(blank))
+    out = folder / "out" / "grades.csv"
+    for name, (base, changes) in SUBMISSIONS.items():
+        text = nbs.dumps(_notebook(bases[base], changes)).replace("@OUT@", str(out))
+        (folder / f"{name}.ipynb").write_text(text)
+    # inputs the grader must survive reading
+    (folder / "s2_not_json.ipynb").write_text("this is not JSON {")
+    (folder / "s2_not_utf8.ipynb").write_bytes(b'{"cells": ["\xff\xfe"]}')
+    odd = dict(solution, cells=[*solution["cells"], None, 7, {"cell_type": "code", "source": None}])
+    odd["cells"] += [{"cell_type": "code", "source": 42}, {"cell_type": "code", "source": {"a": 1}}]
+    odd["cells"] += [{"cell_type": None}, {"cell_type": "code", "source": ["x = 1\n", 3]}]
+    (folder / "s2_odd_cells.ipynb").write_text(json.dumps(odd))
+    (folder / os.fsdecode(b"s2_caf\xe9_latin1_name.ipynb")).write_text(nbs.dumps(solution))
+    started = time.monotonic()
+    code = _run(folder, out, ["--jobs", "2", str(folder)])  # two grading processes at once
+    seconds = time.monotonic() - started
+    rows = _rows(out)
+    reports = {}
+    for p in (folder / "out" / "grades-reports").glob("*.json"):
+        report = json.loads(p.read_text(encoding="utf-8"))
+        reports[Path(report["notebook"]).stem] = report
+    return code, rows, reports, seconds, folder
 
 
-def test_solution_gets_full_marks(graded):
-    _, _, rows, reports = graded
-    assert rows["solution"][1:] == ["1", "2", "1", "4"]
-    assert reports["solution"]["total"] == 4 == reports["solution"]["max_total"]
-    assert all(e["status"] == "passed" for e in reports["solution"]["exercises"].values())
-    assert reports["solution"]["warnings"] == []
+def statuses(rows, name):
+    return [rows[name][f"{x} status"] for x in IDS]
 
 
-def test_learner_copy_gets_zero(graded):
-    _, _, rows, reports = graded
-    assert rows["learner"][1:] == ["0", "0", "0", "0"]
-    assert {status(reports["learner"], x) for x in IDS} == {"not-implemented"}
+def points(rows, name):
+    return [rows[name][x] for x in IDS]
+
+
+# --- the honest baseline -------------------------------------------------------------------------
+
+
+def test_solution_full_marks_blank_zero(graded):
+    _, rows, reports, _, _ = graded
+    assert points(rows, "solution") == FULL and rows["solution"]["total"] == "5"
+    assert rows["solution"]["max_total"] == "5" and statuses(rows, "solution") == ["passed"] * 4
+    assert points(rows, "blank") == ["0"] * 4 and statuses(rows, "blank") == ["failed"] * 4
+    assert all("not implemented" in e["message"] for e in reports["blank"]["exercises"].values())
+
+
+# --- 1. one student cannot change another student's result ----------------------------------------
+
+
+def test_other_students_rows_are_unchanged(graded):
+    _, rows, _, _, _ = graded
+    for name in ("a_first", "z_last"):
+        assert {k: v for k, v in rows[name].items() if k != "notebook"} == {
+            k: v for k, v in rows["solution"].items() if k != "notebook"
+        }
+
+
+def test_planted_modules_do_not_reach_the_next_submission(graded):
+    _, rows, reports, _, _ = graded
+    # two submissions plant torch.py, sitecustomize.py... everywhere they can write: both, and
+    # every notebook graded after them, still import the real modules and score as before
+    assert rows["s1_plants_modules"]["total"] == rows["s1_plants_too"]["total"] == "5"
+
+
+def test_each_submission_runs_in_a_fresh_folder_outside_the_repository(graded):
+    _, _, reports, _, folder = graded
+    cwds = []
+    for name in ("s1_plants_modules", "s1_plants_too"):
+        line = next(x for x in reports[name]["process_output"].splitlines() if x.startswith("CWD="))
+        cwds.append(Path(line[4:]))
+    assert cwds[0] != cwds[1]
+    for cwd in cwds:
+        assert ROOT not in cwd.parents and folder not in cwd.parents
+        assert not cwd.exists()  # removed once graded
+
+
+def test_learner_code_runs_as_an_unprivileged_user_of_its_own(graded):
+    _, _, reports, _, _ = graded
+    uids = []
+    for name in ("s1_plants_modules", "s1_plants_too"):
+        line = next(x for x in reports[name]["process_output"].splitlines() if x.startswith("UID="))
+        uids.append(int(line[4:]))
+    if ROOTED:
+        assert 0 not in uids and uids[0] != uids[1]
+    else:  # an ordinary user cannot switch users: the submission runs as the grader (README)
+        assert uids == [os.getuid()] * 2
+
+
+def test_no_process_of_a_submission_outlives_its_grading(graded):
+    _, rows, _, _, _ = graded
+    survivors = []
+    for cmd in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if MARKER.encode() in cmd.read_bytes():
+                survivors.append(cmd.parent.name)
+        except OSError:
+            pass
+    assert survivors == []
+    if ROOTED:  # and no process of any submission's user id (see sandbox.Connection)
+        uids = [p.stat().st_uid for p in Path("/proc").glob("[0-9]*")]
+        assert not [u for u in uids if 2_000_000_000 <= u < 2_100_000_000]
+
+
+def test_the_csv_is_the_graders(graded):
+    code, rows, _, _, folder = graded
+    expected = {"a_first", "solution", "z_last", "blank", *SUBMISSIONS}
+    expected |= {"s2_not_json", "s2_not_utf8", "s2_odd_cells", "s2_caf\\udce9_latin1_name"}
+    assert set(rows) == expected
+    time.sleep(1)  # a process left behind would overwrite it now
+    assert set(_rows(folder / "out" / "grades.csv")) == expected
+
+
+def test_killing_its_parent_or_everything_costs_that_submission_only(graded):
+    _, rows, _, _, _ = graded
+    names = ["s1_kills_its_parent"] + (["s1_kills_everything", "s1_fork_bomb"] if ROOTED else [])
+    for name in names:
+        assert rows[name]["ch98.add_one status"] in ("crashed", "passed"), name
+        assert rows[name]["ch98.mean_square status"] == "passed", name
+        assert rows[name]["ch98.Scale status"] == "passed", name
+
+
+def test_learner_code_cannot_write_into_the_repository(graded):
+    _, rows, _, _, _ = graded
+    if ROOTED:  # as the grader's own user a submission can write what that user can (README)
+        assert not list(ROOT.rglob(f"pwned_{MARKER}.py"))
+    for p in ROOT.rglob(f"pwned_{MARKER}.py"):
+        p.unlink()
+    assert rows["s1_writes_repository"]["total"] == "5"
+
+
+# --- 2. nothing in one notebook stops the run ----------------------------------------------------
+
+
+def test_every_input_gets_a_row_and_the_exit_code_says_some_were_unreadable(graded):
+    code, rows, reports, _, _ = graded
+    assert code == 3  # s2_not_json and s2_not_utf8 could not be read
+    for name in ("s2_not_json", "s2_not_utf8"):
+        assert statuses(rows, name) == ["unreadable"] * 4 and rows[name]["total"] == "0"
+        assert reports[name]["error"]
+
+
+def test_garbage_on_the_channel_costs_that_submission_only(graded):
+    _, rows, reports, _, _ = graded
+    entry = reports["s2_garbage_on_channel"]["exercises"]["ch98.add_one"]
+    assert entry["status"] == "crashed" and "channel" in entry["message"]
+    assert statuses(rows, "s2_garbage_on_channel")[1:] == ["passed"] * 3
+
+
+def test_a_stopped_worker_is_detected(graded):
+    _, rows, reports, _, _ = graded
+    entry = reports["s2_stops_itself"]["exercises"]["ch98.mean_square"]
+    assert entry["status"] == "timeout" and "stopped" in entry["message"]
+    assert rows["s2_stops_itself"]["total"] == "3"
+
+
+def test_printing_does_not_extend_the_time_limit(graded):
+    _, rows, reports, _, _ = graded
+    assert reports["s2_prints_forever"]["exercises"]["ch98.mean_square"]["status"] == "timeout"
+    assert rows["s2_prints_forever"]["total"] == "3"
+    assert len(reports["s2_prints_forever"]["process_output"]) <= PROCESS_OUTPUT_CAP
+
+
+def test_a_notebook_cannot_run_past_its_budget(graded):
+    _, rows, reports, seconds, _ = graded
+    entry = reports["s2_over_budget"]["exercises"]["ch98.mean_square"]
+    assert entry["status"] == "timeout" and "budget" in entry["message"]
+    assert rows["s2_over_budget"]["ch98.add_one"] == "1"
+
+
+def test_malformed_cells_are_skipped_with_a_warning(graded):
+    _, rows, reports, _, _ = graded
+    assert rows["s2_odd_cells"]["total"] == "5"
+    warnings = " ".join(reports["s2_odd_cells"]["warnings"])
+    for kind in ("not a JSON object", "type null", "type int", "type dict", "type list"):
+        assert kind in warnings
+
+
+def test_undecodable_names_and_lone_surrogates_are_written_safely(graded):
+    _, rows, reports, _, folder = graded
+    assert rows["s2_caf\\udce9_latin1_name"]["total"] == "5"
+    assert rows["s2_surrogates"]["ch98.add_one"] == "1"
+    entry = reports["s2_surrogates"]["exercises"]["ch98.mean_square"]
+    assert entry["status"] == "crashed" and "bad \\udc80 text" in entry["message"]
+    for p in (folder / "out").rglob("*"):
+        if p.is_file():
+            p.read_bytes().decode("utf-8")  # every file written is valid UTF-8
+
+
+def test_unknown_exercise_ids_are_warnings(graded):
+    _, rows, reports, _, _ = graded
+    assert rows["s2_unknown_id"]["total"] == "5"
+    assert any("ch98.nope" in w for w in reports["s2_unknown_id"]["warnings"])
+
+
+def test_output_is_capped(graded):
+    _, rows, reports, _, _ = graded
+    assert rows["s2_megabytes"]["total"] == "5"
+    assert len(reports["s2_megabytes"]["process_output"]) <= PROCESS_OUTPUT_CAP
+    assert any("bytes of output" in w for w in reports["s2_megabytes"]["warnings"])
 
 
 @pytest.mark.parametrize(
-    "name, exercise, expected, message, total",
+    "name, status, words",
     [
-        ("raises", "ch99.add_one", "error", "ValueError: boom (line 1 of the cell)", "3"),
-        ("hidden", "ch99.add_one", "failed", "keeps integers integer", "3"),
-        ("loops", "ch99.mean_square", "timeout", f"within {TIMEOUT} s", "2"),
-        ("hangs_in_check", "ch99.Scale", "timeout", "within", "3"),
-        ("hog", "ch99.add_one", "memory", "more than the 1024 MB memory limit", "3"),
-        ("sys_exit", "ch99.mean_square", "error", "sys.exit(3)", "2"),
-        ("os_exit", "ch99.add_one", "error", "exited with code 7", "3"),
-        ("missing", "ch99.Scale", "missing", 'no cell calls check("ch99.Scale", …)', "3"),
-        ("duplicated", "ch99.add_one", "failed", "expected 2", "3"),
-        ("borrowed", "ch99.add_one", "failed", "the package's own implementation", "3"),
+        ("s2_sys_exit", "crashed", "sys.exit(3)"),
+        ("s2_os_exit", "crashed", "exited with code 7"),
+        ("s2_memory_hog", "crashed", "memory"),
+        ("s2_loops", "timeout", f"within {TIMEOUT} s"),
     ],
 )
-def test_bad_submission_costs_only_that_exercise(graded, name, exercise, expected, message, total):
-    _, _, rows, reports = graded
-    entry = reports[name]["exercises"][exercise]
-    assert entry["status"] == expected
-    assert message in entry["message"]
-    assert entry["points"] == 0
-    assert rows[name][-1] == total
-    others = [x for x in IDS if x != exercise]
-    assert all(status(reports[name], x) == "passed" for x in others), reports[name]
+def test_a_broken_cell_costs_its_exercise_only(graded, name, status, words):
+    _, rows, reports, _, _ = graded
+    entry = reports[name]["exercises"]["ch98.mean_square"]
+    assert entry["status"] == status and words in entry["message"] and entry["points"] == 0
+    assert rows[name]["total"] == "3"
 
 
-def test_killing_the_grading_worker_costs_points_not_the_run(graded):
-    # The submission's process outlives the worker it killed for a moment; how far it gets
-    # before it is stopped depends on timing, so only what must hold is asserted here. The
-    # notebooks graded after it (every other test) show that the run went on.
-    _, _, rows, reports = graded
-    entry = reports["kills_worker"]["exercises"]["ch99.mean_square"]
-    assert entry["status"] == "error" and entry["points"] == 0
-    assert status(reports["kills_worker"], "ch99.add_one") == "passed"
-    assert rows["kills_worker"][-1] in ("1", "2")
-    scale = reports["kills_worker"]["exercises"]["ch99.Scale"]
-    assert scale["status"] == "passed" or "worker was killed" in scale["message"]
+def test_a_killed_run_keeps_the_rows_it_wrote(graded, tmp_path):
+    _, _, _, _, folder = graded
+    for i in range(6):
+        (tmp_path / f"n{i}.ipynb").write_text((folder / "solution.ipynb").read_text())
+    out = tmp_path / "grades.csv"
+    env = dict(os.environ, **{PATH_ENV: str(FIXTURES / "checks")})
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    args = [sys.executable, "-m", "qwen_mini.course.grading", "--chapter", "98"]
+    args += ["--solutions", str(FIXTURES / "solutions"), "--out", str(out), str(tmp_path)]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines = 0
+    for line in proc.stdout:  # one line per notebook graded
+        lines += b": 5/5" in line
+        if lines == 2:
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait()
+    rows = _rows(out)
+    assert len(rows) >= 2 and all(r["total"] == "5" for r in rows.values())
 
 
-def test_later_copy_of_a_duplicate_is_graded_with_a_warning(graded):
-    report = graded[3]["duplicated"]
-    assert any(
-        "ch99.add_one is checked in cells" in w and "later copy" in w for w in report["warnings"]
-    )
+# --- 3. honest notebooks are graded as Jupyter runs them -----------------------------------------
 
 
-def test_printing_megabytes_scores_zero_and_is_capped(graded):
-    _, _, rows, reports = graded
-    report = reports["chatty"]
-    entry = report["exercises"]["ch99.add_one"]
-    assert entry["status"] == "output" and entry["points"] == 0
-    assert "5,100,000 characters" in entry["message"]
-    assert rows["chatty"][-1] == "3"  # the other exercises still count
-    assert len(entry["output"]) <= grade.OUTPUT_CAP
-    assert len(report["process_output"]) <= grade.PROCESS_OUTPUT_CAP
-    assert any("3000000 bytes" in w for w in report["warnings"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "s3_helper_cell",
+        "s3_split_cells",
+        "s3_renamed",
+        "s3_qualified",
+        "s3_no_check_call",
+        "s3_torch_compile",
+        "s3_magics",
+        "s3_calls_earlier_package_piece",
+    ],
+)
+def test_honest_notebooks_get_full_marks(graded, name):
+    _, rows, reports, _, _ = graded
+    assert statuses(rows, name) == ["passed"] * 4, reports[name]
+    assert rows[name]["total"] == "5"
 
 
-def test_importing_modules_is_not_tampering(graded):
-    _, _, rows, reports = graded
-    assert rows["imports"][-1] == "4", reports["imports"]
+def test_skipped_magics_are_noted(graded):
+    warnings = " ".join(graded[2]["s3_magics"]["warnings"])
+    assert "%matplotlib" in warnings and "echo hello" in warnings
 
 
-def test_magics_do_not_break_grading(graded):
-    _, _, rows, reports = graded
-    assert rows["magics"][-1] == "4", reports["magics"]
+@pytest.mark.parametrize(
+    "name, status",
+    [
+        ("s3_fallback_after_timeout", "timeout"),
+        ("s3_fallback_after_crash", "crashed"),
+        ("s3_fallback_after_missing", "missing"),
+    ],
+)
+def test_a_later_exercise_falls_back_to_the_package_piece(graded, name, status):
+    _, rows, _, _, _ = graded
+    assert rows[name]["ch98.add_one status"] == status and rows[name]["ch98.add_one"] == "0"
+    assert statuses(rows, name)[1:] == ["passed"] * 3  # add_two calls add_one
+    assert rows[name]["total"] == "4"
 
 
-def test_unreadable_notebook_is_recorded(graded):
-    _, _, rows, reports = graded
-    assert rows["garbage"][1:] == ["0", "0", "0", "0"]
-    assert "not a readable notebook" in reports["garbage"]["error"]
+# --- 4. a blank notebook cannot earn marks -------------------------------------------------------
 
 
-def test_missing_reference_is_a_clear_error(tmp_path, capsys):
-    code = grade.cli(
+@pytest.mark.parametrize(
+    "name, exercise",
+    [
+        ("s4_wrapper", "ch98.add_one"),
+        ("s4_registry", "ch98.add_one"),
+        ("s4_partial", "ch98.add_one"),
+        ("s4_subclass", "ch98.Scale"),
+        ("s4_function_copy", "ch98.add_one"),
+        ("s4_code_replace", "ch98.add_one"),
+        ("s4_marshal", "ch98.add_one"),
+        ("s4_exec_source", "ch98.add_one"),
+    ],
+)
+def test_the_package_reference_scores_zero_with_status_reference(graded, name, exercise):
+    _, rows, reports, _, _ = graded
+    assert rows[name][f"{exercise} status"] == "reference", reports[name]["exercises"][exercise]
+    assert rows[name]["total"] == "0"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "s4_thread",
+        "s4_background_thread",
+        "s4_helper_process",
+        "s4_unhook",
+        "s4_always_equal",
+        "s4_tensor_subclass",
+        "s4_patches_torch",
+        "s4_patches_while_checked",
+        "s4_patches_checks",
+        "s4_forges_results",
+    ],
+)
+def test_a_blank_notebook_earns_nothing(graded, name):
+    _, rows, reports, _, _ = graded
+    assert rows[name]["total"] == "0", reports[name]["exercises"]
+    assert "passed" not in statuses(rows, name)
+
+
+def test_wrong_types_are_named_in_the_message(graded):
+    reports = graded[2]
+    entry = reports["s4_tensor_subclass"]["exercises"]["ch98.mean_square"]
+    assert entry["status"] == "failed" and "subclass of torch.Tensor" in entry["message"]
+
+
+def test_hidden_checks_report_their_category_not_their_inputs(graded, tmp_path):
+    # a submission that passes the public check of add_one but not the hidden one
+    nb = _notebook(nbs.load(SOLUTION), {"add-one": ADD_ONE.replace("x + 1", "x + 1.0")})
+    (tmp_path / "hidden.ipynb").write_text(nbs.dumps(nb))
+    assert _run(tmp_path, tmp_path / "g.csv", [str(tmp_path / "hidden.ipynb")]) == 0
+    report = json.loads((tmp_path / "g-reports" / "hidden.json").read_text())
+    entry = report["exercises"]["ch98.add_one"]
+    assert entry["status"] == "failed" and "integer input" in entry["message"]
+    assert "[1, 2]" not in entry["message"] and "int64" not in entry["message"]
+
+
+def test_missing_input_and_missing_reference(tmp_path, capsys):
+    code = _run(tmp_path, tmp_path / "g.csv", [str(tmp_path / "nope.ipynb")])
+    assert code == 3
+    assert _rows(tmp_path / "g.csv")["nope"]["ch98.add_one status"] == "unreadable"
+    code = grade.main(
         [
             "--chapter",
             "42",
             "--solutions",
             str(tmp_path),
             "--out",
-            str(tmp_path / "g.csv"),
+            str(tmp_path / "x.csv"),
             str(SOLUTION),
         ]
     )
-    assert code == 1
-    assert "ch42_*.ipynb" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    "name, replaced",
-    [("patches_torch", "`torch.allclose`"), ("patches_checks", "`the checks of ch99.add_one`")],
-)
-def test_patching_what_the_checks_rely_on_scores_zero(graded, name, replaced):
-    _, _, rows, reports = graded
-    entry = reports[name]["exercises"]["ch99.add_one"]
-    assert entry["status"] == "tampered" and entry["points"] == 0
-    assert replaced in entry["message"]
-    # the patch stays in the process, so the later exercises cannot be trusted either
-    assert {status(reports[name], x) for x in IDS} == {"tampered"}
-    assert rows[name][-1] == "0"
+    assert code == 1 and "ch42_*.ipynb" in capsys.readouterr().err

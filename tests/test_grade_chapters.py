@@ -1,5 +1,6 @@
-"""The grader on the real chapters: solutions score full marks, fresh learner copies zero, and a
-stub in one exercise does not cost the later exercises that build on it."""
+"""The grader on the real chapters: solutions score full marks, fresh learner copies zero, a stub
+in one exercise does not cost the later exercises that build on it, and an exercise answered
+with the package's own code scores 0 with status `reference`."""
 
 import csv
 import json
@@ -7,11 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from qwen_mini.course import grade
 from qwen_mini.course import notebooks as nbs
+from qwen_mini.course.grading import cli as grade
 
 ROOT = Path(__file__).resolve().parent.parent
-CHAPTERS = {0: "ch00_foundations.ipynb", 1: "ch01_attention.ipynb", 2: "ch02_qk_norm.ipynb"}
+CHAPTERS = {
+    0: "ch00_foundations.ipynb",
+    1: "ch01_attention.ipynb",
+    2: "ch02_qk_norm.ipynb",
+    4: "ch04_thinking.ipynb",
+}
 
 
 def _mixed(folder: Path, chapter: int, stub_cell: str) -> Path:
@@ -24,10 +30,40 @@ def _mixed(folder: Path, chapter: int, stub_cell: str) -> Path:
     return path
 
 
+def _cheat(folder: Path, chapter: int, cell: str, source: str) -> Path:
+    """The fresh learner copy with one exercise answered by the package's own code."""
+    nb = nbs.load(ROOT / "course" / CHAPTERS[chapter])
+    nb["cells"] = [dict(c, source=source) if c["id"] == cell else c for c in nb["cells"]]
+    path = folder / "cheat.ipynb"
+    path.write_text(json.dumps(nb))
+    return path
+
+
+# exercise cells answered by the package's reference: re-exported, and subclassed
+CHEATS = {
+    0: (
+        "c1301374",
+        "ch00.rms_norm",
+        'from qwen_mini.foundations import RMSNorm\n\ncheck("ch00.rms_norm", RMSNorm)',
+    ),
+    1: (
+        "40391bf6",
+        "ch01.Attention",
+        "import qwen_mini.attention\n\n\nclass Attention(qwen_mini.attention.Attention):\n"
+        '    pass\n\n\ncheck("ch01.Attention", Attention)',
+    ),
+    4: (
+        "c4000011",
+        "ch04.render_turn",
+        'from qwen_mini.chat import render_turn\n\ncheck("ch04.render_turn", render_turn)',
+    ),
+}
+
+
 def _grade(tmp_path: Path, chapter: int, files: list[Path]) -> dict[str, dict]:
     out, reports = tmp_path / "grades.csv", tmp_path / "reports"
     argv = ["--chapter", str(chapter), "--out", str(out), "--reports", str(reports)]
-    assert grade.cli(argv + [str(f) for f in files]) == 0
+    assert grade.main(argv + [str(f) for f in files]) == 0
     with open(out, newline="") as f:
         rows = {
             Path(r["notebook"]).parent.name + "/" + Path(r["notebook"]).stem: r
@@ -41,21 +77,30 @@ def _grade(tmp_path: Path, chapter: int, files: list[Path]) -> dict[str, dict]:
     [
         (0, "6a366c8d", "ch00.rotate_half", "ch00.apply_rope"),
         (1, "a988864a", "ch01.repeat_kv", "ch01.Attention"),
+        (1, "a8000004", "ch01.DecoderLayer", "ch01.decode"),  # the model-level exercises
         (2, "17187467", "ch02.project_qk", "ch02.logit_stats"),
+        (4, "c4000011", "ch04.render_turn", "ch04.render_prompt"),
     ],
 )
 def test_real_chapter_grades(tmp_path, chapter, stub_cell, stubbed, dependent):
     name = CHAPTERS[chapter]
     mixed = _mixed(tmp_path, chapter, stub_cell)
-    rows = _grade(tmp_path, chapter, [ROOT / "solutions" / name, ROOT / "course" / name, mixed])
+    cell, cheated, source = CHEATS[chapter]
+    cheat = _cheat(tmp_path, chapter, cell, source)
+    files = [ROOT / "solutions" / name, ROOT / "course" / name, mixed, cheat]
+    rows = _grade(tmp_path, chapter, files)
     stem = Path(name).stem
     solved, learner, partial = rows[f"solutions/{stem}"], rows[f"course/{stem}"], None
     partial = rows[f"{tmp_path.name}/{mixed.stem}"]
-    ids = [k for k in solved if k not in ("notebook", "total")]
+    ids = [k for k in solved if k not in ("notebook", "total", "max_total") and " " not in k]
     assert len(ids) >= 6
     full = sum(float(solved[x]) for x in ids)
-    assert full > 0 and float(solved["total"]) == full
+    assert full > 0 and float(solved["total"]) == full == float(solved["max_total"])
+    assert all(solved[f"{x} status"] == "passed" for x in ids)
     assert all(float(learner[x]) == 0 for x in ids) and float(learner["total"]) == 0
-    assert float(partial[stubbed]) == 0
+    assert float(partial[stubbed]) == 0 and partial[f"{stubbed} status"] == "failed"
     assert float(partial[dependent]) == float(solved[dependent]) > 0
     assert float(partial["total"]) == full - float(solved[stubbed])
+    # a blank notebook answering an exercise with the package's own code earns nothing
+    cheated_row = rows[f"{tmp_path.name}/cheat"]
+    assert cheated_row[f"{cheated} status"] == "reference" and float(cheated_row["total"]) == 0

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_config
 from safetensors.torch import save_file
 
 from qwen_mini import CheckpointError, load_model
@@ -33,9 +34,7 @@ SAME_AS_REAL = ("model_type", "vocab_size", "rope_theta", "max_position_embeddin
 
 def write_tiny(folder: Path, value: float = 0.01) -> Path:
     """A valid tiny qwen3 checkpoint whose weights are all `value` (to tell folders apart)."""
-    cfg = dict(model_type="qwen3", vocab_size=16, hidden_size=8, intermediate_size=16,
-               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
-               max_position_embeddings=32, tie_word_embeddings=True)  # fmt: skip
+    cfg = tiny_config(num_hidden_layers=1, tie_word_embeddings=True)
     folder.mkdir(parents=True, exist_ok=True)
     shapes = expected_shapes(Config.from_dict(cfg))
     save_file({k: torch.full(s, value) for k, s in shapes.items()}, folder / "model.safetensors")

@@ -22,48 +22,58 @@ from helpers import write_checkpoint
 from transformers import AutoModelForCausalLM
 
 import qwen_mini
+import qwen_mini.architectures
 from qwen_mini.generation import generate_tokens
-from qwen_mini.model import linear_all_threads
+from qwen_mini.runtime import linear_all_threads
 
 TOL = 1e-4  # max abs logit difference, float32 both sides
 VOCAB = 256
 
-# hidden size 64, 2 layers, vocab 256. head_dim None means hidden / heads (as Qwen2 always has).
-# name: (model_type, query heads, KV heads, head_dim, tied head, attention_bias, max_shard_size)
-CASES = {
+# One named case per configuration worth telling apart; every architecture in the table has some
+# (test_every_architecture_has_a_case), so a new row is tested by adding its cases here.
+# Fields are config.json overrides on top of the shared size below; "shard" splits the file.
+SIZE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, max_position_embeddings=512)
+CASES = [
     # head_dim 24 != 64 / 4; two query heads per KV head
-    "qwen3-gqa2-tied-single": ("qwen3", 4, 2, 24, True, False, None),
+    pytest.param(dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=24, tied=True), id="qwen3-gqa2-tied-single"),
     # MHA (ratio 1), spread over several shards
-    "qwen3-mha-untied-sharded": ("qwen3", 4, 4, 16, False, False, "40KB"),
+    pytest.param(dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=4,
+                      head_dim=16, tied=False, shard="40KB"), id="qwen3-mha-untied-sharded"),
     # ratio 4; in Qwen3 attention_bias adds q/k/v and o biases
-    "qwen3-gqa4-bias-untied-single": ("qwen3", 8, 2, 8, False, True, None),
+    pytest.param(dict(model_type="qwen3", num_attention_heads=8, num_key_value_heads=2,
+                      head_dim=8, tied=False, attention_bias=True), id="qwen3-gqa4-bias-untied"),
     # MQA: one KV head serves every query head
-    "qwen3-mqa-tied-sharded": ("qwen3", 4, 1, 32, True, False, "40KB"),
-    "qwen2-gqa2-tied-single": ("qwen2", 4, 2, None, True, None, None),
-    "qwen2-mqa-untied-sharded": ("qwen2", 4, 1, None, False, None, "40KB"),
-    "qwen2-mha-tied-single": ("qwen2", 4, 4, None, True, None, None),
-}
+    pytest.param(dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=1,
+                      head_dim=32, tied=True, shard="40KB"), id="qwen3-mqa-tied-sharded"),
+    pytest.param(dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2,
+                      tied=True), id="qwen2-gqa2-tied-single"),
+    pytest.param(dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=1,
+                      tied=False, shard="40KB"), id="qwen2-mqa-untied-sharded"),
+    pytest.param(dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=4,
+                      tied=True), id="qwen2-mha-tied-single"),
+]  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+def test_every_architecture_has_a_case():
+    covered = {case.values[0]["model_type"] for case in CASES}
+    assert covered == set(qwen_mini.architectures.ARCHITECTURES)
+
+
+@pytest.fixture(scope="module", params=[c.values[0] for c in CASES], ids=[c.id for c in CASES])
 def pair(request, tmp_path_factory):
     """(qwen_mini model, transformers model), both loaded from one saved checkpoint."""
-    model_type, heads, kv_heads, head_dim, tied, bias, shard = CASES[request.param]
-    qwen3 = {"head_dim": head_dim, "attention_bias": bias} if model_type == "qwen3" else {}
-    folder = tmp_path_factory.mktemp(request.param)
+    case = dict(request.param)
+    model_type, tied, shard = case.pop("model_type"), case.pop("tied"), case.pop("shard", None)
+    folder = tmp_path_factory.mktemp(model_type)
     write_checkpoint(
         folder,
         model_type,
         tied=tied,
         max_shard_size=shard,
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=512,
         eos_token_id=None,  # nothing stops generation early
-        **qwen3,
+        **SIZE,
+        **case,
     )
     # the fixture must really be what its name says
     assert (folder / "model.safetensors.index.json").exists() == bool(shard)

@@ -1,4 +1,5 @@
-"""qwen_mini needs neither transformers (the test oracle) nor huggingface_hub (downloads only)."""
+"""Running a model needs neither transformers (the test oracle) nor huggingface_hub (downloads
+only), and imports nothing from the course room (qwen_mini.course: checks, build, grading)."""
 
 import os
 import subprocess
@@ -13,6 +14,8 @@ model = qwen_mini.load_model("Qwen/Qwen3-0.6B")
 tok = qwen_mini.load_tokenizer("Qwen/Qwen3-0.6B")
 text = qwen_mini.generate(model, tok, "Hello", max_new_tokens=4, temperature=0)
 assert isinstance(text, str) and model.is_standin
+course = sorted(m for m in sys.modules if m.split(".")[:2] == ["qwen_mini", "course"])
+assert not course, course
 print("ok")
 """
 

@@ -8,7 +8,9 @@ those tagged `solution-only`; each `### BEGIN SOLUTION` … `### END SOLUTION` r
 `raise NotImplementedError(...)` line and `### BEGIN HIDDEN TESTS` regions disappear; outputs,
 execution counts and widget state are cleared and the kernelspec is normalised. Cells tagged
 `export` are written, solutions included, into the module named by the notebook metadata
-`{"qwen_mini": {"export": "qwen_mini/<module>.py"}}`, then sorted and formatted by ruff.
+`{"qwen_mini": {"export": "qwen_mini/<module>.py"}}`; a cell tagged `export:qwen_mini/<other>.py`
+goes to that module instead (one chapter can export to several modules). Each module is then
+sorted and formatted by ruff.
 """
 
 from __future__ import annotations
@@ -66,6 +68,28 @@ def learner_notebook(nb: dict, name: str) -> dict:
 # --- exported modules ----------------------------------------------------------------------------
 
 
+EXPORT_TAG = "export:"  # a cell tag naming the module the cell goes to, e.g. export:qwen_mini/x.py
+
+
+def _valid_target(target: str) -> bool:
+    parts = Path(target).parts
+    ok_path = len(parts) >= 2 and parts[0] == "qwen_mini" and ".." not in parts
+    return ok_path and target.endswith(".py")
+
+
+def cell_target(cell: dict, default: str | None, place: str) -> str | None:
+    """The module a cell is exported to: its `export:<module>` tag, `default` for a plain
+    `export` tag, None for a cell that is not exported."""
+    named = [t[len(EXPORT_TAG) :] for t in nbs.tags(cell) if t.startswith(EXPORT_TAG)]
+    if len(named) > 1:
+        raise NotebookError(f"{place}: a cell can be exported to one module, not {named}")
+    if named:
+        if not _valid_target(named[0]):
+            raise NotebookError(f"{place}: export target {named[0]!r} is not qwen_mini/<x>.py")
+        return named[0]
+    return default if "export" in nbs.tags(cell) else None
+
+
 def export_target(nb: dict, name: str) -> str | None:
     """The module a notebook exports to ("qwen_mini/foundations.py"), checked; None if none."""
     target = nb.get("metadata", {}).get("qwen_mini", {}).get("export")
@@ -77,14 +101,23 @@ def export_target(nb: dict, name: str) -> str | None:
                 '{"qwen_mini": {"export": "qwen_mini/<module>.py"}}'
             )
         return None
-    parts = Path(target).parts
-    if not (len(parts) >= 2 and parts[0] == "qwen_mini" and target.endswith(".py")) or (
-        ".." in parts
-    ):
+    if not _valid_target(target):
         raise NotebookError(f"solutions/{name}: export target {target!r} is not qwen_mini/<x>.py")
     if not tagged:
         raise NotebookError(f"solutions/{name}: exports to {target} but no cell is tagged export")
     return target
+
+
+def export_targets(nb: dict, name: str) -> list[str]:
+    """Every module the notebook exports to, in order of first appearance."""
+    default, found = export_target(nb, name), []
+    for i, cell in enumerate(nb["cells"]):
+        if cell.get("cell_type") != "code":
+            continue
+        target = cell_target(cell, default, nbs.where(f"solutions/{name}", i, cell))
+        if target is not None and target not in found:
+            found.append(target)
+    return found
 
 
 def header(name: str) -> str:
@@ -95,13 +128,16 @@ def header(name: str) -> str:
     )
 
 
-def module_source(nb: dict, name: str) -> str:
-    """The export cells joined, before ruff sorts imports and formats."""
+def module_source(nb: dict, name: str, target: str | None = None) -> str:
+    """The cells exported to `target` (default: the notebook's own module) joined, before ruff
+    sorts imports and formats."""
+    default = export_target(nb, name)
+    target = target or default
     parts = []
     for i, cell in enumerate(nb["cells"]):
-        if cell.get("cell_type") != "code" or "export" not in nbs.tags(cell):
-            continue
         place = nbs.where(f"solutions/{name}", i, cell)
+        if cell.get("cell_type") != "code" or cell_target(cell, default, place) != target:
+            continue
         text = without_exercise_calls(nbs.export_source(nbs.source(cell), place), place)
         if text.strip():
             parts.append(text.strip("\n"))
@@ -171,15 +207,14 @@ def expected_files(root: Path) -> dict[Path, str]:
     for path in sorted((root / "solutions").glob("*.ipynb")):
         nb = nbs.load(path)
         files[root / "course" / path.name] = nbs.dumps(learner_notebook(nb, path.name))
-        target = export_target(nb, path.name)
-        if target is None:
-            continue
-        if target in exporters:
-            raise NotebookError(
-                f"solutions/{path.name} and solutions/{exporters[target]} both export {target}"
-            )
-        exporters[target] = path.name
-        files[root / target] = ruff_format(module_source(nb, path.name), root / target)
+        for target in export_targets(nb, path.name):
+            if target in exporters:
+                raise NotebookError(
+                    f"solutions/{path.name} and solutions/{exporters[target]} both export {target}"
+                )
+            exporters[target] = path.name
+            text = module_source(nb, path.name, target)
+            files[root / target] = ruff_format(text, root / target)
     return files
 
 

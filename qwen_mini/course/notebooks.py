@@ -1,7 +1,7 @@
 """Reading solution notebooks: cells, tags, solution / hidden-test regions and `check(...)` calls.
 
 Shared by the course builder (`qwen_mini.course.build`) and the grader
-(`qwen_mini.course.grade`). Notebooks are handled as plain JSON dicts so that what we write back
+(`qwen_mini.course.grading`). Notebooks are handled as plain JSON dicts so that what we write back
 is byte-for-byte predictable.
 """
 

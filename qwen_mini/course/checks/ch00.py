@@ -3,14 +3,21 @@
 Every check tests the object it is given on small seeded inputs. The expected values come from
 the package reference, from values worked out by hand, from the `safetensors` library, and from
 invariants (scale invariance, rotations preserving norms, relative positions).
+
+Every mistake the chapter warns about fails a public check whose message names the idea: the
+checks compute the typical wrong answers too (`_diagnose`), and when the learner's output matches
+one of them, the message says which idea is wrong instead of only showing a differing number.
+tests/test_wrong_answers_ch00.py holds a corpus of such wrong answers, each required to fail.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import tempfile
+import tracemalloc
 from pathlib import Path
 
 import torch
@@ -47,7 +54,7 @@ register(
     "ch00.rotate_half",
     reference=ref.rotate_half,
     points=1,
-    title="rotate_half: (x1, x2) -> (-x2, x1)",
+    title="rotate_half: the partner vector that sin multiplies",
 )
 register(
     "ch00.apply_rope", reference=ref.apply_rope, points=1, title="Apply rotary position embeddings"
@@ -66,6 +73,21 @@ register(
 )
 
 
+def _diagnose(name: str, got, expected, wrong: dict, atol: float, rtol: float) -> None:
+    """expect_close, but if `got` matches one of the typical wrong answers in `wrong`
+    ({idea: tensor}), the message starts with that idea."""
+    try:
+        expect_close(name, got, expected, atol=atol, rtol=rtol)
+    except AssertionError as failure:
+        if isinstance(got, torch.Tensor):
+            g = got.detach().double()
+            for idea, w in wrong.items():
+                w = w.detach().double()
+                if g.shape == w.shape and torch.allclose(g, w, atol=max(atol, 1e-6), rtol=rtol):
+                    raise AssertionError(f"{idea} — {failure}") from None
+        raise
+
+
 def _write(data: bytes) -> Path:
     path = Path(tempfile.mkdtemp(prefix="qwen_mini_ch00_")) / "check.safetensors"
     path.write_bytes(data)
@@ -75,14 +97,35 @@ def _write(data: bytes) -> Path:
 # --- read_safetensors_header --------------------------------------------------------------------
 
 
+def _read(read_safetensors_header, path: Path):
+    """Call the learner's function; if it crashes, explain the layout of the 8-byte prefix."""
+    try:
+        return read_safetensors_header(path)
+    except NotImplementedError:
+        raise
+    except Exception as e:
+        first = path.open("rb").read(8)
+        little, big = struct.unpack("<Q", first)[0], struct.unpack(">Q", first)[0]
+        raise AssertionError(
+            f"your code raised {type(e).__name__}: {e}. The first 8 bytes ({first.hex(' ')}) are "
+            f"the header length, an unsigned 64-bit little-endian integer: {little} bytes of JSON "
+            f"follow (read big-endian they would claim {big:,} bytes)"
+        ) from None
+
+
 @public("ch00.read_safetensors_header")
 def _(read_safetensors_header):
     # written by hand: header length 8 bytes little-endian, JSON, then 16 bytes of float32 data
     head = {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}
     text = json.dumps(head).encode()
     path = _write(struct.pack("<Q", len(text)) + text + bytes(16))
-    expect_equal("header of a hand-written file", read_safetensors_header(path), head)
-    expect_equal("header read from a str path", read_safetensors_header(str(path)), head)
+    got = _read(read_safetensors_header, path)
+    if isinstance(got, (str, bytes, bytearray)):
+        raise AssertionError(
+            f"expected a dict, got {type(got).__name__}: parse the header bytes as JSON"
+        )
+    expect_equal("header of a hand-written file", got, head)
+    expect_equal("header read from a str path", _read(read_safetensors_header, str(path)), head)
 
 
 @public("ch00.read_safetensors_header")
@@ -96,13 +139,17 @@ def _(read_safetensors_header):
         path,
         metadata={"format": "pt"},
     )
-    h = read_safetensors_header(path)
+    h = _read(read_safetensors_header, path)
     expect_equal(
         "tensor names",
         sorted(k for k in h if k != "__metadata__"),
         ["model.embed_tokens.weight", "model.norm.weight"],
     )
-    expect_equal("__metadata__", h.get("__metadata__"), {"format": "pt"})
+    expect_equal(
+        "__metadata__ (keep every entry of the header, the metadata included)",
+        h.get("__metadata__"),
+        {"format": "pt"},
+    )
     expect_equal(
         "model.embed_tokens.weight",
         h["model.embed_tokens.weight"],
@@ -113,6 +160,39 @@ def _(read_safetensors_header):
         },
     )
     expect_equal("the whole header vs the reference", h, ref.read_safetensors_header(path))
+
+
+_BIG = 64 * 2**20  # bytes of tensor data after the header in the "read only the header" check
+
+
+@public("ch00.read_safetensors_header", "reads only the header, not the tensor data")
+def _(read_safetensors_header):
+    # a small header followed by 64 MiB of (sparse, so free to create) tensor data: reading the
+    # header must not allocate memory for the data. A real checkpoint's data is 1.5 GB.
+    head = {"big": {"dtype": "U8", "shape": [_BIG], "data_offsets": [0, _BIG]}}
+    text = json.dumps(head).encode()
+    path = Path(tempfile.mkdtemp(prefix="qwen_mini_ch00_")) / "big.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+    os.truncate(path, 8 + len(text) + _BIG)
+    try:
+        was_tracing = tracemalloc.is_tracing()
+        if not was_tracing:
+            tracemalloc.start()
+        tracemalloc.reset_peak()
+        got = _read(read_safetensors_header, path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+        path.unlink()
+    if peak > _BIG // 4:
+        raise AssertionError(
+            f"reading the header allocated {peak / 2**20:.0f} MiB for a file of "
+            f"{(_BIG + len(text) + 8) / 2**20:.0f} MiB: read only the 8-byte length and the "
+            "header, not the whole file (a real checkpoint holds 1.5 GB of tensor data after it)"
+        )
+    expect_equal("header of a file with 64 MiB of data", got, head)
 
 
 @hidden("ch00.read_safetensors_header")
@@ -130,7 +210,30 @@ def _(read_safetensors_header):
     text = json.dumps(head).encode()
     text += b" " * (-len(text) % 8)
     path = _write(struct.pack("<Q", len(text)) + text + b"\xff" * 24)
-    expect_equal("long, padded header followed by binary data", read_safetensors_header(path), head)
+    got = _read(read_safetensors_header, path)
+    expect_equal("long, padded header followed by binary data", got, head)
+
+
+@hidden("ch00.read_safetensors_header")
+def _(read_safetensors_header):
+    # a 300 kB header (a real 0.6B header is about 40 kB; sharded MoE checkpoints are larger):
+    # the length is read from the file, never assumed
+    head = {
+        f"model.layers.{i}.mlp.experts.{e}.down_proj.weight": {
+            "dtype": "BF16",
+            "shape": [4, 4],
+            "data_offsets": [32 * (128 * i + e), 32 * (128 * i + e) + 32],
+        }
+        for i in range(24)
+        for e in range(128)
+    }
+    text = json.dumps(head).encode()
+    path = _write(struct.pack("<Q", len(text)) + text + bytes(32 * 24 * 128))
+    expect_equal(
+        f"header of {len(text):,} bytes (read the length from the file)",
+        _read(read_safetensors_header, path),
+        head,
+    )
 
 
 # --- RMSNorm ------------------------------------------------------------------------------------
@@ -144,6 +247,25 @@ def _norm(cls, dim, weight=None, eps=None):
     return m
 
 
+def _norm_wrong(x: torch.Tensor, eps: float) -> dict:
+    """The typical wrong normalisations of x (weight 1), in float64, by the idea they miss."""
+    x = x.double()
+    ms = x.pow(2).mean(-1, keepdim=True)
+    centred = x - x.mean(-1, keepdim=True)
+    return {
+        "eps goes inside the square root, added to the mean of squares": x / (ms.sqrt() + eps),
+        "eps is missing: it is added to the mean of squares (it guards tiny vectors)": x
+        / ms.sqrt(),
+        "RMSNorm subtracts no mean (that is LayerNorm)": centred
+        / (centred.pow(2).mean(-1, keepdim=True) + eps).sqrt(),
+        "root MEAN square: divide by sqrt(mean of squares), not by the vector's length": x
+        / (x.pow(2).sum(-1, keepdim=True) + eps).sqrt(),
+        "divide by the root mean square; do not multiply": x * (ms + eps).sqrt(),
+        "Qwen3's RMSNorm multiplies by the weight w (initialised to ones), not by 1 + w "
+        "(the zero-centred norm of Qwen3.5)": 2 * x / (ms + eps).sqrt(),
+    }
+
+
 @public("ch00.rms_norm")
 def _(RMSNorm):
     m = RMSNorm(8)
@@ -153,14 +275,34 @@ def _(RMSNorm):
         ["weight"],
     )
     expect_equal("weight shape", tuple(m.weight.shape), (8,))
-    # worked by hand: x = [3, 4]: mean of squares 12.5, so x / sqrt(12.5 + eps)
+    expect_close("weight initialised to ones", m.weight, torch.ones(8), atol=0, rtol=0)
+    # worked by hand: x = [3, 4]: mean of squares 12.5, so x / sqrt(12.5)
     x = torch.tensor([[3.0, 4.0]])
-    expect_close(
-        "RMSNorm(2)([3, 4])",
+    _diagnose(
+        "RMSNorm(2, eps=0)([3, 4]) = [3, 4] / sqrt(12.5)",
         RMSNorm(2, eps=0.0)(x),
-        torch.tensor([[3.0, 4.0]]) / math.sqrt(12.5),
+        x / math.sqrt(12.5),
+        _norm_wrong(x, 0.0),
         atol=1e-6,
         rtol=1e-6,
+    )
+
+
+@public("ch00.rms_norm", "eps placement: on a tiny vector eps matters")
+def _(RMSNorm):
+    # mean of squares 1e-6, eps 1e-2: x / sqrt(1e-6 + 1e-2) = 1e-3 / 0.10005
+    tiny = torch.full((1, 4), 1e-3)
+    _diagnose(
+        "RMSNorm(4, eps=1e-2) on [1e-3] * 4",
+        RMSNorm(4, eps=1e-2)(tiny),
+        tiny / math.sqrt(1e-6 + 1e-2),
+        {
+            **_norm_wrong(tiny, 1e-2),
+            "use self.eps, the eps given to the constructor, not a constant": tiny
+            / math.sqrt(1e-6 + 1e-6),
+        },
+        atol=1e-7,
+        rtol=1e-5,
     )
 
 
@@ -168,23 +310,46 @@ def _(RMSNorm):
 def _(RMSNorm):
     x, w = randn(2, 3, 16, seed=1), randn(16, seed=2)
     expect_close(
-        "float32 input, random weight",
+        "float32 input, random weight, vs reference",
         _norm(RMSNorm, 16, w)(x),
         _norm(ref.RMSNorm, 16, w)(x),
         atol=1e-6,
         rtol=1e-5,
     )
-    # normalise in float32, cast back to bfloat16, then multiply by the weight: bit for bit
-    xb, wb = (randn(4, 64, seed=3) * 5).bfloat16(), (1 + randn(64, seed=4) / 4).bfloat16()
-    got = _norm(RMSNorm, 64, wb).bfloat16()(xb)
-    expect_equal("dtype of the output for bfloat16 input", got.dtype, torch.bfloat16)
+
+
+def _bf16_norm_checks(RMSNorm, x: torch.Tensor, w: torch.Tensor) -> None:
+    """bfloat16 in: dtype kept; float32 inside (weight 1); weight after the cast back."""
+    dim = x.shape[-1]
+    got = _norm(RMSNorm, dim, w).bfloat16()(x)
+    expect_equal(
+        "dtype of the output for bfloat16 input (cast back to the input dtype)",
+        got.dtype,
+        torch.bfloat16,
+    )
+    ones = _norm(RMSNorm, dim).bfloat16()(x)
     expect_close(
-        "bfloat16 input (float32 inside, cast back, then times weight)",
-        got.float(),
-        _norm(ref.RMSNorm, 64, wb).bfloat16()(xb).float(),
+        "float32 inside: with weight 1 and bfloat16 input, normalise in float32 and round once "
+        "to bfloat16 at the end (a bfloat16 computation rounds every step)",
+        ones.float(),
+        _norm(ref.RMSNorm, dim).bfloat16()(x).float(),
         atol=0,
         rtol=0,
     )
+    expect_close(
+        "the weight multiplies after the cast back to bfloat16, as in the reference (the "
+        "product in float32, cast afterwards, rounds differently)",
+        got.float(),
+        _norm(ref.RMSNorm, dim, w).bfloat16()(x).float(),
+        atol=0,
+        rtol=0,
+    )
+
+
+@public("ch00.rms_norm", "bfloat16 input: float32 inside, cast back, then times the weight")
+def _(RMSNorm):
+    xb, wb = (randn(4, 64, seed=3) * 5).bfloat16(), (1 + randn(64, seed=4) / 4).bfloat16()
+    _bf16_norm_checks(RMSNorm, xb, wb)
 
 
 @hidden("ch00.rms_norm")
@@ -201,14 +366,6 @@ def _(RMSNorm):
         atol=1e-5,
         rtol=0,
     )
-    tiny = torch.full((1, 4), 1e-3)
-    expect_close(
-        "eps is used: RMSNorm(4, eps=1e-2) on a tiny vector",
-        RMSNorm(4, eps=1e-2)(tiny),
-        tiny / math.sqrt(1e-6 + 1e-2),
-        atol=1e-7,
-        rtol=1e-5,
-    )
     # large values in bfloat16: squares near 1e6 must not be rounded or overflow
     xb = (randn(2, 128, seed=6) * 1000).bfloat16()
     expect_close(
@@ -220,7 +377,40 @@ def _(RMSNorm):
     )
 
 
+@hidden("ch00.rms_norm")
+def _(RMSNorm):
+    # another width, batch shape and seed in bfloat16; default eps is 1e-6
+    xb = (randn(2, 5, 96, seed=21) * 3).bfloat16()
+    wb = (randn(96, seed=22) / 2).bfloat16()
+    _bf16_norm_checks(RMSNorm, xb, wb)
+    tiny = torch.full((2, 8), 1e-4)
+    expect_close(
+        "default eps (1e-6) on a tiny vector",
+        RMSNorm(8)(tiny),
+        tiny / math.sqrt(1e-8 + 1e-6),
+        atol=1e-7,
+        rtol=1e-5,
+    )
+
+
 # --- MLP (SwiGLU) -------------------------------------------------------------------------------
+
+
+def _mlp_wrong(m, x: torch.Tensor) -> dict:
+    g, u, down = m.gate_proj(x), m.up_proj(x), m.down_proj
+    return {
+        "SiLU goes on gate_proj's output (the gate), not on up_proj's": down(g * F.silu(u)),
+        "the gate is missing its SiLU": down(g * u),
+        "the activation is SiLU, z * sigmoid(z), not ReLU": down(F.relu(g) * u),
+        "the activation is SiLU, z * sigmoid(z), not GELU": down(F.gelu(g) * u),
+        "the activation is SiLU, z * sigmoid(z), not the plain sigmoid of the original GLU": down(
+            torch.sigmoid(g) * u
+        ),
+        "SiLU applies to the gate alone, before the product with up_proj's output": down(
+            F.silu(g * u)
+        ),
+        "no up_proj: the gate multiplies up_proj's output": down(F.silu(g)),
+    }
 
 
 @public("ch00.mlp")
@@ -234,14 +424,26 @@ def _(MLP):
     )
 
 
+def _mlp_vs_reference(MLP, hidden_size: int, inter: int, seed: int) -> None:
+    torch.manual_seed(seed)
+    r = ref.MLP(hidden_size, inter)
+    m = MLP(hidden_size, inter)
+    m.load_state_dict(r.state_dict())
+    x = randn(2, 3, hidden_size, seed=seed + 7)
+    with torch.no_grad():
+        _diagnose(
+            f"MLP({hidden_size}, {inter}) vs reference, same weights",
+            m(x),
+            r(x),
+            _mlp_wrong(r, x),
+            atol=1e-6,
+            rtol=1e-5,
+        )
+
+
 @public("ch00.mlp")
 def _(MLP):
-    torch.manual_seed(0)
-    r = ref.MLP(8, 16)
-    m = MLP(8, 16)
-    m.load_state_dict(r.state_dict())
-    x = randn(2, 3, 8, seed=7)
-    expect_close("MLP vs reference, same weights", m(x), r(x), atol=1e-6, rtol=1e-5)
+    _mlp_vs_reference(MLP, 8, 16, seed=0)
 
 
 @public("ch00.mlp")
@@ -263,12 +465,10 @@ def _(MLP):
 
 @hidden("ch00.mlp")
 def _(MLP):
+    _mlp_vs_reference(MLP, 12, 20, seed=1)
     torch.manual_seed(1)
-    r = ref.MLP(12, 20)
     m = MLP(12, 20)
-    m.load_state_dict(r.state_dict())
     x = randn(1, 5, 12, seed=8)
-    expect_close("gate and up are not swapped", m(x), r(x), atol=1e-6, rtol=1e-5)
     with torch.no_grad():
         m.gate_proj.weight.zero_()
     expect_close(
@@ -279,10 +479,37 @@ def _(MLP):
 # --- RoPE ---------------------------------------------------------------------------------------
 
 
+def _angles_wrong(positions: torch.Tensor, head_dim: int, theta: float) -> dict:
+    """cos of the typical wrong angle tables, by the idea they miss (float64)."""
+    p = positions.double()[:, None]
+    i = torch.arange(head_dim // 2, dtype=torch.float64)
+    right = theta ** (-2 * i / head_dim)
+    return {
+        "the frequency exponent: pair i turns at theta^(-2i/D), not theta^(-i/D)": torch.cat(
+            [p * theta ** (-i / head_dim)] * 2, -1
+        ),
+        "the frequency falls with i: theta^(-2i/D), a negative exponent": torch.cat(
+            [p * theta ** (2 * i / head_dim)] * 2, -1
+        ),
+        "half-split pairs: the angles of pairs 0..D/2-1 repeat in the second half "
+        "(dims i and i + D/2 share an angle), not interleaved [a0, a0, a1, a1, ...]": (
+            (p * right).repeat_interleave(2, -1)
+        ),
+    }
+
+
+def _cos_wrong(positions, head_dim, theta) -> dict:
+    return {k: v.cos() for k, v in _angles_wrong(positions, head_dim, theta).items()}
+
+
 @public("ch00.rope_cos_sin")
 def _(rope_cos_sin):
     cos, sin = rope_cos_sin(torch.arange(5), 8, 10000.0)
-    expect_equal("shapes", (tuple(cos.shape), tuple(sin.shape)), ((5, 8), (5, 8)))
+    expect_equal(
+        "shapes [T, head_dim] (both halves of each pair)",
+        (tuple(cos.shape), tuple(sin.shape)),
+        ((5, 8), (5, 8)),
+    )
     expect_equal("dtype (default float32)", cos.dtype, torch.float32)
     expect_close("position 0: cos = 1", cos[0], torch.ones(8), atol=0, rtol=0)
     expect_close("position 0: sin = 0", sin[0], torch.zeros(8), atol=0, rtol=0)
@@ -292,10 +519,16 @@ def _(rope_cos_sin):
 def _(rope_cos_sin):
     # worked by hand: head_dim 4, theta 100: frequencies 100^0 = 1 and 100^(-2/4) = 0.1;
     # at position 3 the angles are [3, 0.3] for both halves
-    cos, sin = rope_cos_sin(torch.tensor([3]), 4, 100.0)
+    pos = torch.tensor([3])
+    cos, sin = rope_cos_sin(pos, 4, 100.0)
     angles = torch.tensor([[3.0, 0.3, 3.0, 0.3]])
-    expect_close(
-        "cos at position 3 (head_dim 4, theta 100)", cos, angles.cos(), atol=1e-6, rtol=1e-6
+    _diagnose(
+        "cos at position 3 (head_dim 4, theta 100)",
+        cos,
+        angles.cos(),
+        _cos_wrong(pos, 4, 100.0),
+        atol=1e-6,
+        rtol=1e-6,
     )
     expect_close(
         "sin at position 3 (head_dim 4, theta 100)", sin, angles.sin(), atol=1e-6, rtol=1e-6
@@ -305,42 +538,93 @@ def _(rope_cos_sin):
 @public("ch00.rope_cos_sin")
 def _(rope_cos_sin):
     pos = torch.tensor([0, 1, 7, 100, 4000])
-    for got, want, what in zip(
-        rope_cos_sin(pos, 16, 1e6), ref.rope_cos_sin(pos, 16, 1e6), ("cos", "sin"), strict=True
-    ):
+    (cos, sin), (rcos, rsin) = rope_cos_sin(pos, 16, 1e6), ref.rope_cos_sin(pos, 16, 1e6)
+    _diagnose(
+        "cos vs reference (head_dim 16, theta 1e6)",
+        cos,
+        rcos,
+        _cos_wrong(pos, 16, 1e6),
+        atol=1e-6,
+        rtol=1e-5,
+    )
+    expect_close("sin vs reference (head_dim 16, theta 1e6)", sin, rsin, atol=1e-6, rtol=1e-5)
+
+
+def _far_positions(rope_cos_sin, pos: torch.Tensor, head_dim: int, theta: float) -> None:
+    got = rope_cos_sin(pos, head_dim, theta, torch.bfloat16)
+    want = ref.rope_cos_sin(pos, head_dim, theta, torch.bfloat16)
+    expect_equal("dtype of cos follows the dtype argument", got[0].dtype, torch.bfloat16)
+    expect_equal("dtype of sin follows the dtype argument", got[1].dtype, torch.bfloat16)
+    for g, w, what in zip(got, want, ("cos", "sin"), strict=True):
         expect_close(
-            f"{what} vs reference (head_dim 16, theta 1e6)", got, want, atol=1e-6, rtol=1e-5
+            f"{what} at positions {pos.tolist()} with bfloat16 output: compute the angles in "
+            "float32 and cast only cos and sin (bfloat16 rounds 30,001 to 29,952: a whole "
+            "radian is lost after a few positions)",
+            g.float(),
+            w.float(),
+            atol=1e-2,
+            rtol=0,
         )
+
+
+@public("ch00.rope_cos_sin", "angles in float32 at positions in the tens of thousands")
+def _(rope_cos_sin):
+    _far_positions(rope_cos_sin, torch.tensor([30000, 30001, 40959]), 128, 1e6)
 
 
 @hidden("ch00.rope_cos_sin")
 def _(rope_cos_sin):
-    # far positions, bfloat16 requested: the angles themselves must be computed in float32
-    pos = torch.tensor([30000, 30001, 40959])
-    got = rope_cos_sin(pos, 128, 1e6, torch.bfloat16)
-    want = ref.rope_cos_sin(pos, 128, 1e6, torch.bfloat16)
-    expect_equal("dtype follows the argument", got[0].dtype, torch.bfloat16)
-    expect_close(
-        "cos at far positions, bfloat16 output", got[0].float(), want[0].float(), atol=1e-2, rtol=0
-    )
-    expect_close(
-        "sin at far positions, bfloat16 output", got[1].float(), want[1].float(), atol=1e-2, rtol=0
-    )
+    pos = torch.randint(0, 20000, (7,), generator=torch.Generator().manual_seed(31))
+    for head_dim, theta in ((64, 10000.0), (6, 500.0)):
+        (cos, sin), (rcos, rsin) = (
+            rope_cos_sin(pos, head_dim, theta),
+            ref.rope_cos_sin(pos, head_dim, theta),
+        )
+        what = f"(head_dim {head_dim}, theta {theta:g}, random positions)"
+        expect_close(f"cos vs reference {what}", cos, rcos, atol=1e-4, rtol=1e-4)
+        expect_close(f"sin vs reference {what}", sin, rsin, atol=1e-4, rtol=1e-4)
+    _far_positions(rope_cos_sin, torch.tensor([17000, 25000, 32767]), 64, 1e4)
+
+
+def _rotate_wrong(x: torch.Tensor) -> dict:
+    x1, x2 = x.chunk(2, dim=-1)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return {
+        "one half changes sign: a quarter turn maps (a, b) to (-b, a)": torch.cat([x2, x1], -1),
+        "the sign is on the wrong half: a quarter turn maps (a, b) to (-b, a), not (b, -a)": (
+            torch.cat([x2, -x1], -1)
+        ),
+        "pairs are (i, i + D/2), the two halves, not neighbours (2i, 2i + 1)": torch.stack(
+            [-odd, even], -1
+        ).flatten(-2),
+    }
 
 
 @public("ch00.rotate_half")
 def _(rotate_half):
     x = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    expect_equal("rotate_half([1, 2, 3, 4])", rotate_half(x).tolist(), [-3.0, -4.0, 1.0, 2.0])
+    _diagnose(
+        "rotate_half([1, 2, 3, 4]) (pairs (1, 3) and (2, 4))",
+        rotate_half(x),
+        torch.tensor([-3.0, -4.0, 1.0, 2.0]),
+        _rotate_wrong(x),
+        atol=0,
+        rtol=0,
+    )
 
 
 @public("ch00.rotate_half")
 def _(rotate_half):
     x = randn(2, 3, 5, 8, seed=9)
-    expect_close(
+    want, wrong = ref.rotate_half(x), _rotate_wrong(x)
+    wrong["split the LAST dimension (the head dimension), not the first"] = torch.cat(
+        [-x.chunk(2, 0)[1], x.chunk(2, 0)[0]], 0
+    )
+    _diagnose(
         "rotate_half vs reference on [2, 3, 5, 8]",
         rotate_half(x),
-        ref.rotate_half(x),
+        want,
+        wrong,
         atol=0,
         rtol=0,
     )
@@ -349,7 +633,10 @@ def _(rotate_half):
 @hidden("ch00.rotate_half")
 def _(rotate_half):
     x = randn(4, 6, seed=10)
-    expect_close("rotating twice negates", rotate_half(rotate_half(x)), -x, atol=0, rtol=0)
+    before = x.clone()
+    twice = rotate_half(rotate_half(x))
+    expect_close("x is not modified in place", x, before, atol=0, rtol=0)
+    expect_close("rotating twice negates", twice, -x, atol=0, rtol=0)
     expect_close(
         "x . rotate_half(x) = 0 (a quarter turn)",
         (x * rotate_half(x)).sum(-1),
@@ -364,14 +651,32 @@ def _rope(apply_rope, x, positions, theta=10000.0):
     return apply_rope(x, cos, sin)
 
 
+def _rope_wrong(x, cos, sin) -> dict:
+    rh = ref.rotate_half(x)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    c, s = cos[..., 0::2], sin[..., 0::2]  # an (interleaved) pair's angle
+    return {
+        "rotate forwards: each pair turns by +angle (a cos - b sin, b cos + a sin); "
+        "this turns it backwards": x * cos - rh * sin,
+        "cos multiplies x itself and sin its quarter-turned partner, not the other way round": (
+            x * sin + rh * cos
+        ),
+        "the rotation needs both terms: x alone times cos is not a rotation": x * cos,
+        "pairs are (i, i + D/2), not neighbours (2i, 2i + 1)": torch.stack(
+            [even * c - odd * s, odd * c + even * s], -1
+        ).flatten(-2),
+    }
+
+
 @public("ch00.apply_rope")
 def _(apply_rope):
     x = randn(2, 3, 6, 16, seed=11)
     cos, sin = ref.rope_cos_sin(torch.arange(6), 16, 10000.0)
-    expect_close(
+    _diagnose(
         "apply_rope vs reference",
         apply_rope(x, cos, sin),
         ref.apply_rope(x, cos, sin),
+        _rope_wrong(x, cos, sin),
         atol=1e-6,
         rtol=1e-5,
     )
@@ -384,7 +689,7 @@ def _(apply_rope):
     got = _rope(apply_rope, x, [0, 1, 2])
     p = torch.tensor([0.0, 1.0, 2.0])
     expect_close(
-        "(1, 0) at positions 0, 1, 2 -> (cos p, sin p)",
+        "(1, 0) at positions 0, 1, 2 -> (cos p, sin p): a forward (anticlockwise) turn by p",
         got[0, 0],
         torch.stack([p.cos(), p.sin()], -1),
         atol=1e-6,
@@ -412,6 +717,15 @@ def _(apply_rope):
     expect_close(
         "q.k depends on the distance only: (7, 3) vs (107, 103)", s2, s1, atol=1e-4, rtol=1e-4
     )
+    y = randn(3, 1, 9, 12, seed=16)
+    cos, sin = ref.rope_cos_sin(torch.arange(40, 49), 12, 1e6)
+    expect_close(
+        "apply_rope vs reference on [3, 1, 9, 12] at positions 40..48",
+        apply_rope(y, cos, sin),
+        ref.apply_rope(y, cos, sin),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 # --- count_params -------------------------------------------------------------------------------
@@ -423,19 +737,106 @@ _QWEN25_05B = json.loads((_CONFIGS / "qwen2.5-0.5b" / "config.json").read_text()
 _KEYS = ["embed_tokens", "layers", "lm_head", "norm", "per_layer", "total", "unique"]
 
 
+def _count(c: dict, mistake: str = "") -> dict:
+    """The parameter count written out again, independently of the reference, with one typical
+    `mistake` made on purpose (the names are the ideas the diagnosis reports)."""
+    h, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    n_q = c["num_attention_heads"]
+    n_kv = n_q if mistake == "gqa" else c.get("num_key_value_heads", n_q)
+    d = h // n_q if mistake == "head_dim" else (c.get("head_dim") or h // n_q)
+    qwen2 = c["model_type"] == "qwen2"
+    bias = not qwen2 and c.get("attention_bias", False)
+    per_layer = 2 * h * n_q * d + 2 * h * n_kv * d  # q, o; k, v
+    if qwen2 and mistake != "qkv_bias":
+        per_layer += n_q * d + 2 * n_kv * d
+    if not qwen2 and mistake != "qk_norm":
+        per_layer += 2 * d
+    if bias and mistake != "attention_bias":
+        per_layer += n_q * d + 2 * n_kv * d + (0 if mistake == "o_bias" else h)
+    per_layer += (2 if mistake == "mlp" else 3) * h * inter
+    per_layer += {"layer_norms": 0, "one_norm": h}.get(mistake, 2 * h)
+    final = 0 if mistake == "final_norm" else h
+    layers = per_layer * c["num_hidden_layers"]
+    total = vocab * h + layers + final + vocab * h
+    tied = c.get("tie_word_embeddings", False)
+    unique = total - vocab * h if tied else total
+    if mistake == "unique_twice":
+        unique = total
+    if mistake == "total_once":
+        total = unique
+    if mistake == "untied_once":
+        unique = total - vocab * h
+    return {
+        "embed_tokens": vocab * h,
+        "per_layer": per_layer,
+        "layers": layers,
+        "norm": final,
+        "lm_head": vocab * h,
+        "total": total,
+        "unique": unique,
+    }
+
+
+_COUNT_IDEAS = {
+    "qkv_bias": "Qwen2 / Qwen2.5 have biases on q_proj, k_proj and v_proj (n_q*d + 2*n_kv*d "
+    "per layer)",
+    "qk_norm": "Qwen3 has QK-Norm: q_norm and k_norm, one RMSNorm weight of head_dim each per "
+    "layer",
+    "attention_bias": "attention_bias: true adds biases on q, k, v and o",
+    "o_bias": "attention_bias: true puts a bias on o_proj too (hidden_size)",
+    "head_dim": "head_dim comes from the config when it is there (Qwen3-0.6B: 128, not "
+    "hidden_size / heads = 64)",
+    "gqa": "k_proj and v_proj have num_key_value_heads heads (grouped-query attention), not "
+    "num_attention_heads",
+    "mlp": "SwiGLU has three matrices (gate, up, down)",
+    "layer_norms": "each layer has two RMSNorms (input_layernorm, post_attention_layernorm)",
+    "one_norm": "each layer has two RMSNorms (input_layernorm, post_attention_layernorm)",
+    "final_norm": "the final norm (model.norm, hidden_size) counts too",
+    "unique_twice": "unique counts the tied head once: it is the embedding matrix",
+    "total_once": "total counts the head even when tied (the checkpoint stores the copy)",
+    "untied_once": "an untied head (tie_word_embeddings false) is a matrix of its own: unique "
+    "counts it",
+}
+
+
+def _expect_counts(what: str, got: dict, config: dict, keys=None) -> None:
+    """Compare with the independent count; name the idea when a known mistake explains it."""
+    want = _count(config)
+    keys = keys or _KEYS
+    if not isinstance(got, dict):
+        raise AssertionError(f"{what}: expected a dict with keys {_KEYS}, got {type(got).__name__}")
+    missing = [k for k in keys if k not in got]
+    if missing:
+        raise AssertionError(f"{what}: missing keys {missing} (expected {_KEYS})")
+    for k in keys:
+        if got[k] == want[k]:
+            continue
+        ideas = [
+            idea
+            for m, idea in _COUNT_IDEAS.items()
+            if _count(config, m)[k] != want[k] and _count(config, m)[k] == got[k]
+        ]
+        hint = f" — {ideas[0]}" if ideas else ""
+        shown = f"{got[k]:,}" if isinstance(got[k], int) else repr(got[k])
+        raise AssertionError(f"{what}, {k!r}: expected {want[k]:,}, got {shown}{hint}")
+
+
 @public("ch00.count_params")
 def _(count_params):
     c = count_params(dict(_QWEN3_06B))
-    expect_equal("keys of the result", sorted(c), _KEYS)
+    expect_equal("keys of the result", sorted(c) if isinstance(c, dict) else c, _KEYS)
     expect_equal("Qwen3-0.6B embed_tokens (151,936 x 1,024)", c["embed_tokens"], 155_582_464)
+    _expect_counts("Qwen3-0.6B", c, _QWEN3_06B, ["per_layer", "layers", "norm", "total"])
     expect_equal("Qwen3-0.6B total (tied head counted twice)", c["total"], 751_632_384)
-    expect_equal("Qwen3-0.6B unique", c["unique"], 596_049_920)
+    _expect_counts("Qwen3-0.6B", c, _QWEN3_06B)
+    expect_equal("Qwen3-0.6B unique (the tied head counted once)", c["unique"], 596_049_920)
 
 
 @public("ch00.count_params")
 def _(count_params):
     c = count_params(dict(_QWEN25_05B))
-    expect_equal("Qwen2.5-0.5B unique (QKV biases, head_dim = 896 / 14)", c["unique"], 494_032_768)
+    _expect_counts("Qwen2.5-0.5B (QKV biases, head_dim = 896 / 14)", c, _QWEN25_05B)
+    expect_equal("Qwen2.5-0.5B unique", c["unique"], 494_032_768)
     expect_equal(
         "Qwen2.5-0.5B: the whole result vs reference", c, ref.count_params(dict(_QWEN25_05B))
     )
@@ -449,49 +850,71 @@ def _model_count(d: dict) -> tuple[int, int]:
     return unique, total
 
 
-@hidden("ch00.count_params")
-def _(count_params):
-    tiny = dict(
-        vocab_size=50,
-        hidden_size=12,
-        intermediate_size=20,
-        num_hidden_layers=3,
-        num_attention_heads=3,
-        max_position_embeddings=64,
-    )
-    cases = {
-        "qwen3, untied, attention_bias (biases on q, k, v and o)": dict(
-            tiny,
-            model_type="qwen3",
-            num_key_value_heads=1,
-            head_dim=8,
-            attention_bias=True,
-            tie_word_embeddings=False,
-        ),
-        "qwen3, tied, no head_dim key": dict(
-            tiny, model_type="qwen3", num_key_value_heads=3, tie_word_embeddings=True
-        ),
-        "qwen2, untied, no num_key_value_heads": dict(
-            tiny, model_type="qwen2", tie_word_embeddings=False
-        ),
-    }
+_TINY = dict(
+    vocab_size=50,
+    hidden_size=12,
+    intermediate_size=20,
+    num_hidden_layers=3,
+    num_attention_heads=3,
+    max_position_embeddings=64,
+)
+
+
+def _count_cases(count_params, cases: dict) -> None:
     for what, d in cases.items():
         c = count_params(dict(d))
+        _expect_counts(what, c, d)
         unique, total = _model_count(d)
         expect_equal(f"{what}: unique vs the parameters of a built model", c["unique"], unique)
         expect_equal(f"{what}: total (a tied head counted twice)", c["total"], total)
-        expect_equal(f"{what}: the whole result vs reference", c, ref.count_params(dict(d)))
+
+
+@public("ch00.count_params", "an untied Qwen3 with attention_bias: true")
+def _(count_params):
+    d = dict(
+        _TINY,
+        model_type="qwen3",
+        num_key_value_heads=1,
+        head_dim=8,
+        attention_bias=True,
+        tie_word_embeddings=False,
+    )
+    _count_cases(count_params, {"qwen3, untied, attention_bias (biases on q, k, v and o)": d})
+
+
+@hidden("ch00.count_params")
+def _(count_params):
+    _count_cases(
+        count_params,
+        {
+            "qwen3, tied, no head_dim key": dict(
+                _TINY, model_type="qwen3", num_key_value_heads=3, tie_word_embeddings=True
+            ),
+            "qwen2, untied, no num_key_value_heads": dict(
+                _TINY, model_type="qwen2", tie_word_embeddings=False
+            ),
+            "qwen3, tied, GQA 4:1, head_dim 6, 5 layers": dict(
+                _TINY,
+                model_type="qwen3",
+                num_attention_heads=4,
+                num_key_value_heads=1,
+                head_dim=6,
+                num_hidden_layers=5,
+                tie_word_embeddings=True,
+            ),
+        },
+    )
 
 
 # --- zero-layer model ---------------------------------------------------------------------------
 
 
-def _tiny_tied_model(seed: int) -> CausalLM:
+def _tiny_tied_model(seed: int, vocab: int = 40, hidden: int = 16) -> CausalLM:
     cfg = Config.from_dict(
         dict(
             model_type="qwen3",
-            vocab_size=40,
-            hidden_size=16,
+            vocab_size=vocab,
+            hidden_size=hidden,
             intermediate_size=32,
             num_hidden_layers=0,
             num_attention_heads=2,
@@ -504,19 +927,74 @@ def _tiny_tied_model(seed: int) -> CausalLM:
     torch.manual_seed(seed)
     m = CausalLM(cfg)
     with torch.no_grad():
-        m.model.norm.weight.copy_(1 + randn(16, seed=seed) / 4)
+        m.model.norm.weight.copy_(1 + randn(hidden, seed=seed) / 4)
     return m.eval()
+
+
+def _zero_vs_model(ZeroLayerLM, m: CausalLM, ids: torch.Tensor) -> None:
+    emb, norm = m.model.embed_tokens, m.model.norm
+    z = ZeroLayerLM(emb, norm)
+    own = [
+        n
+        for n, p in z.named_parameters()
+        if p is not emb.weight and p is not norm.weight  # anything but the two shared tensors
+    ]
+    if own:
+        raise AssertionError(
+            f"weight tying: the head IS the embedding matrix, but your model has parameters of "
+            f"its own: {own}. Use embed_tokens.weight as the head's weight."
+        )
+    with torch.no_grad():
+        got, want = z(ids), m(ids)
+        x = emb(ids)
+        wrong = {
+            "the final norm comes before the head: embedding -> norm -> head": F.linear(
+                x, emb.weight
+            ),
+            "return logits (scores), not probabilities: no softmax": want.softmax(-1),
+            "return logits (scores), not log-probabilities": want.log_softmax(-1),
+            "the norm goes between the embedding and the head, not after the head": norm(
+                F.linear(x, emb.weight)
+            )
+            if emb.weight.shape[0] == norm.weight.shape[0]
+            else want + 1,
+        }
+    B, T = ids.shape
+    expect_equal("output shape [B, T, vocab]", tuple(got.shape), (B, T, emb.weight.shape[0]))
+    _diagnose(
+        "vs a qwen_mini model with num_hidden_layers = 0",
+        got,
+        want,
+        wrong,
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 @public("ch00.zero_layer_lm")
 def _(ZeroLayerLM):
     m = _tiny_tied_model(0)
-    ids = torch.tensor([[1, 5, 9, 39], [0, 2, 2, 7]])
-    z = ZeroLayerLM(m.model.embed_tokens, m.model.norm)
+    _zero_vs_model(ZeroLayerLM, m, torch.tensor([[1, 5, 9, 39], [0, 2, 2, 7]]))
+
+
+@public("ch00.zero_layer_lm", "weight tying: the head reads the embedding itself, not a copy")
+def _(ZeroLayerLM):
+    emb = torch.nn.Embedding(12, 6)
     with torch.no_grad():
-        got, want = z(ids), m(ids)
-    expect_equal("output shape [B, T, vocab]", tuple(got.shape), (2, 4, 40))
-    expect_close("vs a qwen_mini model with num_hidden_layers = 0", got, want, atol=1e-5, rtol=1e-5)
+        emb.weight.copy_(randn(12, 6, seed=2))
+    z = ZeroLayerLM(emb, torch.nn.Identity())
+    ids = torch.tensor([[3, 0, 11]])
+    with torch.no_grad():
+        before = z(ids)
+        emb.weight.mul_(2)  # training changes the embedding: the tied head changes with it
+        expect_close(
+            "weight tying: after scaling the embedding by 2 the logits scale by 4 (the head "
+            "must be the embedding matrix itself, not a copy taken at construction)",
+            z(ids),
+            4 * before,
+            atol=1e-4,
+            rtol=1e-5,
+        )
 
 
 @public("ch00.zero_layer_lm")
@@ -550,11 +1028,6 @@ def _(ZeroLayerLM):
             atol=1e-5,
             rtol=1e-5,
         )
-        emb.weight.mul_(2)  # the head must read the current embedding, not a copy
-        expect_close(
-            "after scaling the embedding by 2, logits scale by 4",
-            z(ids),
-            (emb.weight[ids] @ emb.weight.T),
-            atol=1e-4,
-            rtol=1e-5,
-        )
+    m = _tiny_tied_model(3, vocab=57, hidden=24)
+    ids = torch.randint(0, 57, (3, 6), generator=torch.Generator().manual_seed(5))
+    _zero_vs_model(ZeroLayerLM, m, ids)

@@ -12,8 +12,11 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from qwen_mini import attention as ref
+from qwen_mini import decoder as dec
+from qwen_mini.checkpoint import meta_model
 from qwen_mini.config import Config
 from qwen_mini.course.checking import (
     expect_close,
@@ -24,7 +27,8 @@ from qwen_mini.course.checking import (
     register,
     seeded,
 )
-from qwen_mini.foundations import apply_rope, rope_cos_sin
+from qwen_mini.foundations import RMSNorm, apply_rope, rope_cos_sin
+from qwen_mini.model import CausalLM
 
 register(
     "ch01.causal_mask",
@@ -88,6 +92,26 @@ register(
 
 @public("ch01.causal_mask")
 def _(causal_mask):
+    """offset, diagonal and dtype"""
+    got = causal_mask(2, 5)
+    if not isinstance(got, torch.Tensor):
+        raise AssertionError(f"causal_mask must return a tensor, got {type(got).__name__}")
+    if got.dtype != torch.bool:
+        raise AssertionError(
+            f"causal_mask must be bool (True = attend), got {got.dtype}: masked_fill and "
+            "F.scaled_dot_product_attention read a float mask as numbers to add, not as allowed/not"
+        )
+    if tuple(got.shape) == (2, 5) and got.tolist() == torch.ones(2, 5).tril().bool().tolist():
+        raise AssertionError(
+            "offset mask: causal_mask(2, 5) is the top-left triangle (what is_causal=True does); "
+            "the 2 new queries are positions 3 and 4, after 3 cached keys, and see them all"
+        )
+    if causal_mask(3, 3).tolist() == torch.ones(3, 3).tril(-1).bool().tolist():
+        raise AssertionError("the diagonal: a token may attend to itself (key position <= query)")
+
+
+@public("ch01.causal_mask")
+def _(causal_mask):
     m = causal_mask(3, 3)
     expect_equal("causal_mask(3, 3).dtype", m.dtype, torch.bool)
     expect_equal(
@@ -124,6 +148,57 @@ def _(causal_mask):
 
 
 # --- attention_weights --------------------------------------------------------------------------
+
+
+class _SoftmaxDtypes(torch.overrides.TorchFunctionMode):
+    """Records the dtype each softmax computes in (its input's, or the dtype= it was asked for)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "softmax" in getattr(func, "__name__", ""):
+            x = args[0] if args else kwargs.get("input")
+            wanted = kwargs.get("dtype", args[2] if len(args) > 2 else None)
+            dtype = wanted if isinstance(wanted, torch.dtype) else getattr(x, "dtype", None)
+            self.dtypes.append(dtype)
+        return func(*args, **kwargs)
+
+
+@public("ch01.attention_weights")
+def _(attention_weights):
+    """scale, -inf, softmax in float32"""
+    q, k = randn(1, 2, 4, 16, seed=60), randn(1, 2, 4, 16, seed=61)
+    mask = torch.ones(4, 4, dtype=torch.bool).tril()
+    got = attention_weights(q, k, mask)
+    scores = q @ k.transpose(-2, -1)
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != (1, 2, 4, 4):
+        raise AssertionError("attention_weights must return the weights [..., T_q, T_k]")
+    if _close(got, scores.masked_fill(~mask, float("-inf")).softmax(-1)):
+        raise AssertionError("scale the scores by 1/sqrt(D) before the softmax (D = 16 here)")
+    if _close(got, (scores / 16).masked_fill(~mask, float("-inf")).softmax(-1)):
+        raise AssertionError("the scale is 1/sqrt(D), not 1/D")
+    if _close(got, (scores / 4).masked_fill(~mask, float("-inf")).softmax(-2)):
+        raise AssertionError("softmax over the keys (the last dimension): each row sums to 1")
+    if _close(got, (scores / 4).masked_fill(~mask, 0.0).softmax(-1)) or (
+        float(got.masked_select(~mask).abs().max()) > 0
+    ):
+        raise AssertionError(
+            "masked keys must get weight exactly 0: fill their scores with -inf (a score of 0 "
+            "still gets exp(0) = 1 before normalising)"
+        )
+    qb, kb = q.bfloat16(), k.bfloat16()
+    with _SoftmaxDtypes() as seen:
+        w = attention_weights(qb, kb, mask)
+    if seen.dtypes and any(d != torch.float32 for d in seen.dtypes):
+        raise AssertionError(
+            f"softmax in float32: for bfloat16 q, k your softmax computes in {seen.dtypes[0]}; "
+            "ask for softmax(..., dtype=torch.float32) (or .float() the scores) and cast the "
+            "weights back to q.dtype"
+        )
+    expect_equal("dtype of the weights for bfloat16 q, k (q.dtype)", w.dtype, torch.bfloat16)
 
 
 @public("ch01.attention_weights")
@@ -193,6 +268,16 @@ def _(attention_weights):
 
 @public("ch01.attention")
 def _(attention):
+    """the mask is used"""
+    q, k, v = (randn(1, 2, 5, 8, seed=s) for s in (62, 63, 64))
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    got = attention(q, k, v, mask)
+    if _close(got, F.scaled_dot_product_attention(q, k, v)):
+        raise AssertionError("the mask was ignored: pass it on to attention_weights")
+
+
+@public("ch01.attention")
+def _(attention):
     q, k, v = (randn(2, 4, 6, 8, seed=s) for s in (5, 6, 7))
     expect_close(
         "attention(q, k, v) vs F.scaled_dot_product_attention",
@@ -242,6 +327,29 @@ def _(attention):
 
 @public("ch01.split_heads")
 def _(split_heads):
+    """channels of a head, heads as a batch dimension"""
+    x = torch.arange(1 * 2 * 6, dtype=torch.float32).reshape(1, 2, 6)  # 2 positions, 3 heads of 2
+    y = split_heads(x, 3)
+    if not isinstance(y, torch.Tensor) or y.numel() != 12:
+        raise AssertionError("split_heads must return a tensor [B, n_heads, T, D]")
+    if tuple(y.shape) == (1, 2, 3, 2):
+        raise AssertionError(
+            "heads become a batch dimension: [B, n_heads, T, D], transpose T and H"
+        )
+    if tuple(y.shape) == (1, 3, 2, 2) and y.flatten().tolist() == x.flatten().tolist():
+        raise AssertionError(
+            "a reshape to [B, H, T, D] without a transpose mixes positions into heads: view as "
+            "[B, T, H, D] first (head h owns channels h*D .. h*D + D - 1), then transpose"
+        )
+    if tuple(y.shape) == (1, 3, 2, 2) and y[0, 0, 0].tolist() != [0.0, 1.0]:
+        raise AssertionError(
+            "head h owns the *contiguous* channels h*D .. h*D + D - 1 (here head 0 at position 0 "
+            f"is [0, 1]), got {y[0, 0, 0].tolist()}"
+        )
+
+
+@public("ch01.split_heads")
+def _(split_heads):
     x = torch.arange(2 * 3 * 12, dtype=torch.float32).reshape(2, 3, 12)
     y = split_heads(x, 4)
     expect_equal("split_heads([2, 3, 12], 4).shape", tuple(y.shape), (2, 4, 3, 3))
@@ -263,6 +371,27 @@ def _(split_heads):
     for h in (1, 2, 6, 24):
         expect_close(
             f"split_heads(x, {h})", split_heads(x, h), ref.split_heads(x, h), atol=0, rtol=0
+        )
+
+
+@public("ch01.merge_heads")
+def _(merge_heads):
+    """the inverse of split_heads, on a transposed (non-contiguous) tensor"""
+    x = torch.arange(2 * 6, dtype=torch.float32).reshape(1, 2, 6)
+    heads = ref.split_heads(x, 3).contiguous()  # [B, H, T, D], as attention returns it
+    try:
+        y = merge_heads(heads)
+    except RuntimeError as e:
+        if "view" in str(e):
+            raise AssertionError(
+                "after a transpose the tensor is not contiguous and view() refuses it: use "
+                "reshape (or .contiguous().view)"
+            ) from None
+        raise
+    if isinstance(y, torch.Tensor) and tuple(y.shape) == (1, 2, 6) and not _close(y, x):
+        raise AssertionError(
+            "merge_heads must undo split_heads: transpose back to [B, T, H, D] before reshaping "
+            "to [B, T, H*D]"
         )
 
 
@@ -294,6 +423,18 @@ def _(merge_heads):
 
 
 # --- repeat_kv ----------------------------------------------------------------------------------
+
+
+@public("ch01.repeat_kv")
+def _(repeat_kv):
+    """neighbouring query heads share a KV head"""
+    k = torch.tensor([0.0, 1.0, 2.0]).view(1, 3, 1, 1)  # KV head i holds the number i
+    got = repeat_kv(k, 2)
+    if isinstance(got, torch.Tensor) and got.flatten().tolist() == [0.0, 1.0, 2.0] * 2:
+        raise AssertionError(
+            "KV heads tiled (0, 1, 2, 0, 1, 2): query head h reads KV head h // n_rep, so "
+            "neighbours share one: 0, 0, 1, 1, 2, 2 (the checkpoint was trained that way)"
+        )
 
 
 @public("ch01.repeat_kv")
@@ -336,21 +477,59 @@ def _(repeat_kv):
 # --- KVCache ------------------------------------------------------------------------------------
 
 
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+@public("ch01.KVCache")
+def _(KVCache):
+    """length, views, growth by doubling"""
+    cache = KVCache(1, 2, 4, dtype=torch.float32)
+    k1, v1 = _kv(3, 70)
+    k, _ = cache.update(k1, v1)
+    if cache.length != 0:
+        raise AssertionError(
+            f"update must not advance length (it is {cache.length} after update): the model "
+            "calls commit() once every layer has run, so a failed pass changes nothing"
+        )
+    cache.commit(3)
+    moves, copies = 0, 0
+    last = _storage(cache.k)
+    for step in range(200):
+        k, v = cache.update(*_kv(1, 300 + step))
+        cache.commit(1)
+        if _storage(k) != _storage(cache.k) or _storage(v) != _storage(cache.v):
+            copies += 1
+        if _storage(cache.k) != last:
+            moves, last = moves + 1, _storage(cache.k)
+    if copies:
+        raise AssertionError(
+            f"update returned copies in {copies} of 200 steps: return slices of the storage "
+            "(self.k[:, :, :end]), which cost nothing, not new tensors"
+        )
+    if moves > 8:
+        raise AssertionError(
+            f"the storage was reallocated {moves} times in 200 one-token steps: appending with "
+            "torch.cat (or growing by the tokens needed) copies the whole cache every step; "
+            "write into free slots and grow by doubling (_grow) when they run out"
+        )
+
+
 def _kv(T, seed, heads=2, dim=4):
     return randn(1, heads, T, dim, seed=seed), randn(1, heads, T, dim, seed=seed + 1000)
 
 
 @public("ch01.KVCache")
 def _(KVCache):
-    cache = KVCache(2, 1, 2, 4, dtype=torch.float32)
+    cache = KVCache(1, 2, 4, dtype=torch.float32)
     k1, v1 = _kv(3, 1)
-    k, v = cache.update(0, k1, v1)
+    k, v = cache.update(k1, v1)
     expect_close("first update returns the new keys", k, k1, atol=0, rtol=0)
     expect_close("first update returns the new values", v, v1, atol=0, rtol=0)
-    cache.update(1, *_kv(3, 2))
-    cache.length += 3  # the model advances the length once every layer has run
+    expect_equal("length after update, before the model commits the pass", cache.length, 0)
+    cache.commit(3)  # the model commits the pass once every layer has run
     k2, v2 = _kv(2, 3)
-    k, v = cache.update(0, k2, v2)
+    k, v = cache.update(k2, v2)
     expect_close(
         "second update: cached keys then new ones", k, torch.cat([k1, k2], 2), atol=0, rtol=0
     )
@@ -361,19 +540,19 @@ def _(KVCache):
 
 @public("ch01.KVCache")
 def _(KVCache):
-    cache = KVCache(1, 1, 2, 4, dtype=torch.float32)
+    cache = KVCache(1, 2, 4, dtype=torch.float32)
     ks, vs = [], []
     for step in range(150):  # past any initial capacity, several times
         k1, v1 = _kv(1, 100 + step)
         ks.append(k1)
         vs.append(v1)
-        k, v = cache.update(0, k1, v1)
-        cache.length += 1
+        k, v = cache.update(k1, v1)
+        cache.commit(1)
     expect_equal("keys after 150 one-token steps: shape", tuple(k.shape), (1, 2, 150, 4))
     expect_close("keys after 150 one-token steps", k, torch.cat(ks, 2), atol=0, rtol=0)
     expect_close("values after 150 one-token steps", v, torch.cat(vs, 2), atol=0, rtol=0)
     expect_equal(
-        "nbytes() after 150 tokens (2 * 1 layer * 2 heads * 150 * 4 * 4 bytes)",
+        "nbytes() after 150 tokens (2 * 2 heads * 150 * 4 * 4 bytes)",
         cache.nbytes(),
         2 * 2 * 150 * 4 * 4,
     )
@@ -381,27 +560,18 @@ def _(KVCache):
 
 @hidden("ch01.KVCache")
 def _(KVCache):
-    # a forward pass that fails after writing some layers must not corrupt the cache: the length
+    # a forward pass that fails after this layer wrote must not corrupt the cache: the length
     # did not advance, so the retry writes the same slots again
-    cache = KVCache(2, 1, 2, 4, dtype=torch.float32)
+    cache = KVCache(1, 2, 4, dtype=torch.float32)
     k1, v1 = _kv(20, 5)
-    cache.update(0, k1, v1)
-    cache.update(1, k1, v1)
-    cache.length += 20
-    cache.update(0, *_kv(3, 6))  # the failed attempt: layer 0 only, length not advanced
+    cache.update(k1, v1)
+    cache.commit(20)
+    cache.update(*_kv(3, 6))  # the failed attempt: written, never committed
+    cache.discard()
     k2, v2 = _kv(3, 7)
-    for layer in (0, 1):
-        k, v = cache.update(layer, k2, v2)
-        expect_close(
-            f"retry after a failed pass, layer {layer}", k, torch.cat([k1, k2], 2), atol=0, rtol=0
-        )
-        expect_close(
-            f"retry after a failed pass, layer {layer} values",
-            v,
-            torch.cat([v1, v2], 2),
-            atol=0,
-            rtol=0,
-        )
+    k, v = cache.update(k2, v2)
+    expect_close("retry after a failed pass: keys", k, torch.cat([k1, k2], 2), atol=0, rtol=0)
+    expect_close("retry after a failed pass: values", v, torch.cat([v1, v2], 2), atol=0, rtol=0)
 
 
 # --- Attention ----------------------------------------------------------------------------------
@@ -442,6 +612,164 @@ def _rope(cfg, start, T):
     return rope_cos_sin(torch.arange(start, start + T), cfg.head_dim, cfg.rope_theta)
 
 
+class _SpyCache(ref.KVCache):
+    """The package's cache, recording what each update stores."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stored = []
+
+    def update(self, k, v):
+        self.stored.append((k.detach().clone(), v.detach().clone()))
+        return super().update(k, v)
+
+
+def _inputs_of(module, where: list):
+    def hook(mod, args):
+        where.append(args[0].detach().clone())
+
+    return module.register_forward_pre_hook(hook)
+
+
+def _attention_stages(Attention, cfg, seed, B=1, cached=0, T=4):
+    """Run the learner's layer (after `cached` tokens in a cache, or with no cache) and say
+    which stage first differs: QK-Norm, its order with RoPE, the cache, the grouping of KV heads,
+    the mask, the output."""
+    mine, reference = _pair(Attention, cfg, seed)
+    H, H_kv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    x = randn(B, cached + T, cfg.hidden_size, seed=seed + 1)
+    cache = None
+    with torch.no_grad():
+        if cached:
+            cache = _SpyCache(B, H_kv, D, dtype=torch.float32)
+            reference(x[:, :cached], *_rope(cfg, 0, cached), cache)
+            cache.commit(cached)
+            cache.stored.clear()
+        xn = x[:, cached:]
+        cos, sin = _rope(cfg, cached, T)
+        q = ref.split_heads(reference.q_proj(xn), H)  # [B, H, T, D]
+        k = ref.split_heads(reference.k_proj(xn), H_kv)
+        v = ref.split_heads(reference.v_proj(xn), H_kv)
+        if cfg.qk_norm:
+            qn, kn = reference.q_norm(q), reference.k_norm(k)
+        else:
+            qn, kn = q, k
+        qr, kr = apply_rope(qn, cos, sin), apply_rope(kn, cos, sin)
+        k_all, v_all = kr, v
+        if cached:
+            k_all = torch.cat([cache.k[:, :, :cached], kr], 2)
+            v_all = torch.cat([cache.v[:, :, :cached], v], 2)
+
+        seen_q, seen_o = [], []
+        hooks = [_inputs_of(mine.o_proj, seen_o)]
+        if cfg.qk_norm and getattr(mine, "q_norm", None) is not None:
+            hooks.append(_inputs_of(mine.q_norm, seen_q))
+        crash = None
+        try:
+            got = mine(xn, cos, sin, cache)
+        except NotImplementedError:
+            raise
+        except Exception as e:  # diagnose from what the stages recorded, then report the crash
+            crash = e
+        finally:
+            for h in hooks:
+                h.remove()
+
+        if cfg.qk_norm:
+            if not seen_q and crash is not None:
+                raise crash
+            if not seen_q:
+                raise AssertionError("QK-Norm skipped: normalise each query head with self.q_norm")
+            s = seen_q[0]
+            if tuple(s.shape) == (B, T, H, D):  # normalised before the transpose: as transformers
+                s = s.transpose(1, 2)
+            if tuple(s.shape) != tuple(q.shape):
+                raise AssertionError(
+                    f"QK-Norm is per head: q_norm takes the split heads {list(q.shape)} (RMSNorm "
+                    f"over each head's head_dim), got {list(s.shape)}"
+                )
+            if _close(s, apply_rope(q, cos, sin)):
+                raise AssertionError(
+                    "order of QK-Norm and RoPE: normalise first, then rotate (transformers: "
+                    "self.q_norm(self.q_proj(x)...) and only then apply_rotary_pos_emb)"
+                )
+            if not _close(s, q):
+                raise AssertionError("projections: q_norm's input differs from split q_proj(x)")
+        if cached:
+            if not cache.stored and crash is not None:
+                raise crash
+            if not cache.stored:
+                raise AssertionError(
+                    "with a cache, store the new keys and values: k, v = cache.update(k, v)"
+                )
+            sk, sv = cache.stored[0]
+            if sk.shape[1] != H_kv:
+                raise AssertionError(
+                    f"the cache stores the {H_kv} KV heads before repeat_kv, got {sk.shape[1]} "
+                    "heads: repeated heads cost n_rep times the memory and hold nothing new"
+                )
+            if _close(sk, kn) and not _close(sk, kr):
+                raise AssertionError(
+                    "keys are cached after RoPE (a token's rotation never changes), yours before"
+                )
+            if cfg.qk_norm and _close(sk, apply_rope(k, cos, sin)):
+                raise AssertionError("the cached keys skipped QK-Norm (self.k_norm)")
+            expect_close("keys given to cache.update", sk, kr, atol=1e-5, rtol=1e-4)
+            expect_close("values given to cache.update", sv, v, atol=1e-5, rtol=1e-4)
+        if crash is not None:
+            raise crash
+        if not seen_o:
+            raise AssertionError("o_proj was not applied to the merged heads")
+        n_rep, t_total = H // H_kv, k_all.shape[2]
+
+        def attend(kk, vv, **mask):
+            return ref.merge_heads(F.scaled_dot_product_attention(qr, kk, vv, **mask))
+
+        inter = (ref.repeat_kv(k_all, n_rep), ref.repeat_kv(v_all, n_rep))
+        tiled = (k_all.repeat(1, n_rep, 1, 1), v_all.repeat(1, n_rep, 1, 1))
+        right = {"attn_mask": ref.causal_mask(T, t_total)}
+        o = seen_o[0]
+        if not _close(o, attend(*inter, **right)):
+            if n_rep > 1 and _close(o, attend(*tiled, **right)):
+                raise AssertionError(
+                    "grouping of KV heads: tiled (0, 1, 0, 1, ...); query head h reads KV head "
+                    "h // n_rep (neighbours share), as repeat_kv does"
+                )
+            if T > 1 and _close(o, attend(*inter)):
+                raise AssertionError("mask: no causal mask, so tokens see the future")
+            if cached and T > 1 and _close(o, attend(*inter, is_causal=True)):
+                raise AssertionError(
+                    "mask: is_causal=True is the top-left triangle; queries after a cache need "
+                    "the offset mask causal_mask(T, T_total)"
+                )
+            raise AssertionError(
+                "the attention output (o_proj's input) differs from the reference; the "
+                "projections, QK-Norm and cache agree, so look at RoPE, repeat_kv or the merge"
+            )
+        expected = reference.o_proj(attend(*inter, **right))
+        expect_close("output of the layer (o_proj of the heads)", got, expected, 1e-5, 1e-4)
+
+
+@public("ch01.Attention")
+def _(Attention):
+    """stages, no cache"""
+    _attention_stages(Attention, _tiny_cfg(qwen3=True), 130, B=2, cached=0, T=5)
+
+
+@public("ch01.Attention")
+def _(Attention):
+    """stages, 3 new tokens after 4 cached"""
+    _attention_stages(Attention, _tiny_cfg(qwen3=True), 131, B=1, cached=4, T=3)
+
+
+@hidden("ch01.Attention")
+def _(Attention):
+    cfg = _tiny_cfg(qwen3=True, n_heads=6, n_kv=3, head_dim=4)
+    _attention_stages(Attention, cfg, 132, B=2, cached=5, T=2)
+    _attention_stages(Attention, cfg, 133, B=1, cached=3, T=1)
+    _attention_stages(Attention, _tiny_cfg(qwen3=False, n_heads=4, n_kv=1), 134, 1, 2, 4)
+
+
 @public("ch01.Attention")
 def _(Attention):
     cfg = _tiny_cfg(qwen3=True)  # QK-Norm, 4 query heads sharing 2 KV heads, head_dim 8 != 16/4
@@ -467,13 +795,11 @@ def _(Attention):
     x = randn(1, 7, 16, seed=25)
     with torch.no_grad():
         full = reference(x, *_rope(cfg, 0, 7))
-        cache = ref.KVCache(
-            cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.float32
-        )
+        cache = ref.KVCache(1, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.float32)
         outs = []
         for start, end in [(0, 4), (4, 6), (6, 7)]:  # prompt, two tokens, one token
             outs.append(mine(x[:, start:end], *_rope(cfg, start, end - start), cache))
-            cache.length = end
+            cache.commit(end - start)
         expect_close(
             "prompt + cached continuation == one full pass",
             torch.cat(outs, 1),
@@ -528,6 +854,26 @@ def _shape(layers, kv_heads, head_dim):
 
 @public("ch01.kv_bytes_per_token")
 def _(kv_bytes_per_token):
+    """what one token stores"""
+    cfg = SimpleNamespace(
+        num_hidden_layers=28, num_key_value_heads=4, num_attention_heads=28, head_dim=128
+    )
+    right = 2 * 28 * 4 * 128 * 4  # float32
+    diagnosis = {
+        right // 2: "a key AND a value per KV head: twice what you counted",
+        right * 7: "the cache holds the KV heads (num_key_value_heads, before repeat_kv), not "
+        "one per query head",
+        right // 28: "every layer keeps its own cache: count all num_hidden_layers",
+        right // 4: "bytes, not numbers: multiply by dtype_bytes",
+        right * 8: "bytes, not bits: dtype_bytes is already in bytes",
+    }
+    got = kv_bytes_per_token(cfg, 4)
+    if got != right and got in diagnosis:
+        raise AssertionError(f"kv_bytes_per_token(Qwen2-7B shape, 4) = {got}: {diagnosis[got]}")
+
+
+@public("ch01.kv_bytes_per_token")
+def _(kv_bytes_per_token):
     expect_equal(
         "Qwen2-7B in bf16 (28 layers, 4 KV heads, head_dim 128): 56 KiB",
         kv_bytes_per_token(_shape(28, 4, 128), 2),
@@ -562,6 +908,24 @@ def _(kv_bytes_per_token):
 
 
 # --- regroup_kv_heads ---------------------------------------------------------------------------
+
+
+@public("ch01.regroup_kv_heads")
+def _(regroup_kv_heads):
+    """neighbours: repeated in place, averaged in groups"""
+    w = torch.tensor([[0.0], [1.0], [2.0], [3.0]])  # 4 KV heads of head_dim 1: head i holds i
+    up = regroup_kv_heads(w, 1, 8)
+    if isinstance(up, torch.Tensor) and up.flatten().tolist() == [0.0, 1, 2, 3, 0, 1, 2, 3]:
+        raise AssertionError(
+            "4 -> 8 heads tiled (0, 1, 2, 3, 0, 1, ...): each head must be copied next to itself "
+            "(0, 0, 1, 1, ...), so query head h still finds its KV head at h // n_rep"
+        )
+    down = regroup_kv_heads(w, 1, 2)
+    if isinstance(down, torch.Tensor) and down.flatten().tolist() == [1.0, 2.0]:
+        raise AssertionError(
+            "4 -> 2 heads: average *neighbouring* heads (0, 1) and (2, 3), the ones that served "
+            "neighbouring query heads; you averaged (0, 2) and (1, 3)"
+        )
 
 
 @public("ch01.regroup_kv_heads")
@@ -626,3 +990,571 @@ def _(regroup_kv_heads):
         atol=1e-6,
         rtol=1e-6,
     )
+
+
+# --- the model around attention (qwen_mini/decoder.py) ------------------------------------------
+
+register(
+    "ch01.DecoderLayer",
+    reference=dec.DecoderLayer,
+    points=2,
+    title="Pre-norm decoder layer: two residual branches, parts under checkpoint names",
+)
+register(
+    "ch01.model_forward",
+    reference=dec.model_forward,
+    points=2,
+    title="The model's forward pass: embedding, positions after the cache, layers, norm, head",
+)
+register(
+    "ch01.load_weights",
+    reference=dec.load_weights,
+    points=2,
+    title="Loading: checkpoint key for every parameter, the tied head",
+)
+register(
+    "ch01.decode",
+    reference=dec.decode,
+    points=2,
+    title="Generation loop with the KV cache: prefill once, then one token at a time",
+)
+
+
+class _Recorder(nn.Module):
+    """A stand-in block: `proj(x)` (a Linear), recording what it was called with."""
+
+    def __init__(self, dim: int, seed: int, mixer: bool):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim, bias=False)
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.randn(dim, dim, generator=seeded(seed)) * 0.5)
+        self.mixer, self.calls = mixer, []
+
+    def forward(self, x, *args, **kwargs):
+        names = ("cos", "sin", "cache")[len(args) :]  # keywords, in the protocol's order
+        args = args + tuple(kwargs[n] for n in names if n in kwargs)
+        self.calls.append((x.detach().clone(), args))
+        return self.proj(x)
+
+
+def _norm(dim: int, seed: int) -> RMSNorm:
+    norm = RMSNorm(dim)
+    with torch.no_grad():
+        norm.weight.copy_(1 + torch.rand(dim, generator=seeded(seed)))
+    return norm
+
+
+def _layer_parts(dim, seed):
+    return (
+        _Recorder(dim, seed, True),
+        _Recorder(dim, seed + 1, False),
+        _norm(dim, seed + 2),
+        _norm(dim, seed + 3),
+    )
+
+
+def _close(a, b) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def _check_layer(DecoderLayer, mixer_name, B, T, dim, seed):
+    mixer, mlp, n1, n2 = _layer_parts(dim, seed)
+    layer = DecoderLayer(mixer_name, mixer, mlp, n1, n2)
+    x = randn(B, T, dim, seed=seed + 4)
+    cos, sin, cache = randn(T, 4, seed=seed + 5), randn(T, 4, seed=seed + 6), object()
+    with torch.no_grad():
+        out = layer(x, cos, sin, cache)
+        if len(mixer.calls) != 1:
+            raise AssertionError(f"the mixer ({mixer_name}) ran {len(mixer.calls)} times, not once")
+        seen, args = mixer.calls[0]
+        if not _close(seen, n1(x)):
+            if _close(seen, x):
+                raise AssertionError(
+                    "pre-norm: the mixer reads input_layernorm(x), the normalised stream; "
+                    "you gave it x itself"
+                )
+            if _close(seen, n2(x)):
+                raise AssertionError(
+                    "the mixer reads input_layernorm(x); you normalised with "
+                    "post_attention_layernorm (that one is for the mlp)"
+                )
+            raise AssertionError("the mixer's input differs from input_layernorm(x)")
+        if len(args) < 3 or args[0] is not cos or args[1] is not sin or args[2] is not cache:
+            raise AssertionError(
+                "the mixer must get cos, sin and this layer's cache: mixer(norm(x), cos, sin, "
+                "cache) — without its cache it cannot see the earlier tokens"
+            )
+        h = x + mixer.proj(n1(x))  # the stream after the first residual branch
+        if len(mlp.calls) != 1:
+            raise AssertionError(f"the mlp ran {len(mlp.calls)} times, not once")
+        seen = mlp.calls[0][0]
+        if not _close(seen, n2(h)):
+            if _close(seen, n2(x)):
+                raise AssertionError(
+                    "the mlp must read the stream after the mixer's residual addition, "
+                    "post_attention_layernorm(x + mixer(...)); yours reads the layer's input "
+                    "(a parallel block, not Qwen's)"
+                )
+            if _close(seen, h):
+                raise AssertionError("pre-norm: the mlp reads post_attention_layernorm(h), not h")
+            if _close(seen, n1(h)):
+                raise AssertionError(
+                    "the mlp reads post_attention_layernorm(h); you used input_layernorm"
+                )
+            if _close(seen, n2(mixer.proj(n1(x)))):
+                raise AssertionError(
+                    "first residual missing: the stream after the mixer is x + mixer(...), "
+                    "not mixer(...) alone"
+                )
+            raise AssertionError("the mlp's input differs from post_attention_layernorm(x + mixer)")
+        expected = h + mlp.proj(n2(h))
+        if not _close(out, expected):
+            if _close(out, mlp.proj(n2(h))):
+                raise AssertionError("second residual missing: return h + mlp(norm(h))")
+            if _close(out, n2(expected)) or _close(out, n1(expected)):
+                raise AssertionError(
+                    "post-norm: the stream itself is never normalised in a pre-norm layer; "
+                    "only each branch's input is"
+                )
+        expect_close("decoder layer output", out, expected, atol=1e-5, rtol=1e-4)
+
+
+@public("ch01.DecoderLayer")
+def _(DecoderLayer):
+    for name in ("self_attn", "linear_attn"):
+        mixer, mlp, n1, n2 = _layer_parts(8, 40)
+        layer = DecoderLayer(name, mixer, mlp, n1, n2)
+        expect_equal(
+            f"parameter names with mixer_name={name!r} (the checkpoint's names)",
+            sorted(layer.state_dict()),
+            sorted(
+                [f"{name}.proj.weight", "mlp.proj.weight"]
+                + ["input_layernorm.weight", "post_attention_layernorm.weight"]
+            ),
+        )
+        if layer.mixer is not mixer or getattr(layer, name, None) is not mixer:
+            raise AssertionError(f"layer.{name} must be the mixer it was given")
+        if layer.input_layernorm is not n1 or layer.post_attention_layernorm is not n2:
+            raise AssertionError(
+                "input_layernorm and post_attention_layernorm must be the norms given, in that "
+                "order (the first normalises the mixer's input, the second the mlp's)"
+            )
+
+
+@public("ch01.DecoderLayer")
+def _(DecoderLayer):
+    _check_layer(DecoderLayer, "self_attn", 1, 3, 8, 41)
+
+
+@hidden("ch01.DecoderLayer")
+def _(DecoderLayer):
+    _check_layer(DecoderLayer, "linear_attn", 2, 5, 12, 51)
+    _check_layer(DecoderLayer, "self_attn", 3, 1, 6, 61)
+
+
+def _tiny_model(seed, qwen3=True, tied=True, n_heads=4, n_kv=2, layers=2):
+    cfg = _tiny_cfg(qwen3, n_heads=n_heads, n_kv=n_kv)
+    cfg.num_hidden_layers, cfg.tie_word_embeddings = layers, tied
+    cfg.layer_types = ["full_attention"] * layers
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = CausalLM(cfg)
+        with torch.no_grad():  # random norm weights too, so that a skipped norm shows
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.copy_(1 + 0.5 * torch.rand(p.shape, generator=seeded(seed + p.numel())))
+    return model.eval()
+
+
+class _Calls:
+    """Records what each decoder layer, the final norm and the head receive."""
+
+    def __init__(self, model):
+        self.layers, self.norm, self.head, self.hooks = [], [], [], []
+        for i, layer in enumerate(model.model.layers):
+            self.hooks.append(layer.register_forward_pre_hook(self._layer(i), with_kwargs=True))
+        self.hooks.append(model.model.norm.register_forward_pre_hook(self._into(self.norm)))
+        self.hooks.append(model.lm_head.register_forward_pre_hook(self._into(self.head)))
+
+    def _layer(self, i):
+        def hook(module, args, kwargs):
+            names = ("x", "cos", "sin", "cache")
+            call = dict(zip(names, args, strict=False)) | kwargs
+            self.layers.append((i, call))
+
+        return hook
+
+    def _into(self, where):
+        def hook(module, args):
+            where.append(args[0].detach().clone())
+
+        return hook
+
+    def remove(self):
+        for h in self.hooks:
+            h.remove()
+
+
+def _run_forward(model_forward, model, ids, cache=None, last_only=False):
+    calls = _Calls(model)
+    try:
+        with torch.no_grad():
+            out = model_forward(model, ids, cache, last_only)
+    except NotImplementedError:
+        raise
+    except Exception:
+        _check_states(calls, cache)  # a whole Cache handed to a layer crashes inside it
+        raise
+    finally:
+        calls.remove()
+    return out, calls
+
+
+def _check_states(calls, cache):
+    for i, call in calls.layers:
+        if cache is not None and call.get("cache") is not cache.layers[i]:
+            raise AssertionError(
+                f"layer {i} must get its own state, cache.layers[{i}] (got "
+                f"{type(call.get('cache')).__name__})"
+            )
+
+
+def _check_positions(calls, model, start, T):
+    cfg = model.config
+    if not calls.layers:
+        raise AssertionError("no decoder layer was called")
+    order = [i for i, _ in calls.layers]
+    expect_equal("the layers called, in order (each once)", order, list(range(len(order))))
+    expect_equal("number of layers called", len(order), cfg.num_hidden_layers)
+    cos, sin = rope_cos_sin(torch.arange(start, start + T), cfg.rotary_dim, cfg.rope_theta)
+    got = calls.layers[0][1].get("cos")
+    if got is None or tuple(got.shape) != tuple(cos.shape):
+        raise AssertionError(
+            f"the layers get the RoPE angles of the new tokens: cos of shape {tuple(cos.shape)}"
+        )
+    if not _close(got, cos):
+        for wrong in range(0, start + T + 1):
+            w, _ = rope_cos_sin(torch.arange(wrong, wrong + T), cfg.rotary_dim, cfg.rope_theta)
+            if _close(got, w):
+                raise AssertionError(
+                    f"positions: with {start} tokens in the cache the new tokens are positions "
+                    f"{start}..{start + T - 1}; your angles are those of positions "
+                    f"{wrong}..{wrong + T - 1}"
+                )
+        raise AssertionError("the layers' cos differs from rope_cos_sin of the new positions")
+    expect_close("sin given to the layers", calls.layers[0][1].get("sin"), sin, atol=1e-6, rtol=0)
+
+
+@public("ch01.model_forward")
+def _(model_forward):
+    model = _tiny_model(70)
+    ids = torch.randint(0, 64, (2, 5), generator=seeded(71))
+    out, calls = _run_forward(model_forward, model, ids)
+    _check_positions(calls, model, 0, 5)
+    with torch.no_grad():
+        x = model.model.embed_tokens(ids)
+    expect_close("the first layer's input: the embeddings", calls.layers[0][1]["x"], x, 0, 0)
+    if len(calls.norm) != 1:
+        raise AssertionError("the final norm (model.model.norm) must run once, before the head")
+    expect_equal("logits shape", tuple(out.shape), (2, 5, 64))
+    with torch.no_grad():
+        expected = dec.model_forward(model, ids)
+    expect_close("logits", out, expected, atol=1e-5, rtol=1e-4)
+
+
+@public("ch01.model_forward")
+def _(model_forward):
+    model = _tiny_model(72)
+    ids = torch.randint(0, 64, (1, 7), generator=seeded(73))
+    with torch.no_grad():
+        full = model(ids)  # one pass over all 7 tokens, no cache
+        cache = model.new_cache(1)
+        model(ids[:, :4], cache=cache)  # 4 tokens cached (the package's pass commits them)
+    out, calls = _run_forward(model_forward, model, ids[:, 4:], cache)
+    _check_positions(calls, model, 4, 3)
+    _check_states(calls, cache)
+    if cache.length != 4:
+        raise AssertionError(
+            "model_forward must not commit or advance the cache (cache.length went from 4 to "
+            f"{cache.length}): the model commits it once the pass has finished"
+        )
+    expect_close("3 tokens after 4 cached == the full pass's last 3", out, full[:, 4:], 1e-5, 1e-4)
+    out, calls = _run_forward(model_forward, model, ids, None, last_only=True)
+    expect_equal("logits shape with last_only", tuple(out.shape), (1, 1, 64))
+    expect_close("last_only logits == the full pass's last position", out, full[:, -1:], 1e-5, 1e-4)
+    expect_equal(
+        "positions the head was applied to with last_only (1: only the last one)",
+        calls.head[0].shape[1],
+        1,
+    )
+
+
+@hidden("ch01.model_forward")
+def _(model_forward):
+    model = _tiny_model(74, qwen3=False, tied=False, n_heads=6, n_kv=1, layers=3)
+    ids = torch.randint(0, 64, (3, 6), generator=seeded(75))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache(3)
+        model(ids[:, :5], cache=cache)
+    out, calls = _run_forward(model_forward, model, ids[:, 5:], cache, last_only=True)
+    _check_positions(calls, model, 5, 1)
+    expect_close("one token after 5 cached, batch 3", out, full[:, -1:], atol=1e-5, rtol=1e-4)
+
+
+# loading
+
+
+def _header_of(state: dict) -> dict:
+    return {
+        k: {"dtype": "F32", "shape": list(v.shape), "data_offsets": [0, 0]}
+        for k, v in state.items()
+    }
+
+
+def _checkpoint(model, prefix="model."):
+    """The checkpoint of `model`, by checkpoint name (a tied head is not stored)."""
+    tied = model.config.tie_word_embeddings
+    out = {}
+    for name, t in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        key = prefix + name.removeprefix("model.") if name.startswith("model.") else name
+        out[key] = t.detach().clone()
+    return out
+
+
+def _load(load_weights, model, stored, prefix="model."):
+    reads = []
+
+    def get_tensor(key):
+        reads.append(key)
+        return stored[key]
+
+    target = meta_model(model.config)
+    sources = load_weights(target, _header_of(stored), get_tensor, prefix)
+    twice = sorted({k for k in reads if reads.count(k) > 1})
+    if twice:
+        raise AssertionError(f"read each needed tensor once; read twice: {twice}")
+    return target, sources, reads
+
+
+def _expect_same_weights(target, model):
+    for name, t in model.state_dict().items():
+        got = target.state_dict().get(name)
+        if got is None or got.is_meta:
+            raise AssertionError(
+                f"parameter {name!r} was not filled (still on the meta device): a model built "
+                "on the meta device has no memory to copy into; load_state_dict(..., "
+                "assign=True) puts the checkpoint's tensors in place of its parameters"
+            )
+        expect_close(f"parameter {name}", got, t, atol=0, rtol=0)
+
+
+@public("ch01.load_weights")
+def _(load_weights):
+    model = _tiny_model(80, tied=False)
+    stored = _checkpoint(model)
+    stored["model.rotary_emb.inv_freq"] = torch.zeros(4)  # a tensor the model does not use
+    target, sources, reads = _load(load_weights, model, stored)
+    expect_equal(
+        "returned {parameter: checkpoint key} (here the names agree)",
+        sources,
+        {k: k for k in model.state_dict()},
+    )
+    _expect_same_weights(target, model)
+    twice = sorted({k for k in reads if reads.count(k) > 1})
+    if twice or "model.rotary_emb.inv_freq" in reads:
+        raise AssertionError(
+            f"read each needed tensor once and nothing else (read twice: {twice}; unneeded: "
+            f"{[k for k in reads if k not in sources.values()]})"
+        )
+    w = target.model.layers[0].self_attn.q_proj.weight
+    if w.data_ptr() != stored["model.layers.0.self_attn.q_proj.weight"].data_ptr():
+        raise AssertionError(
+            "the parameters must be the tensors get_tensor returned, not copies of them "
+            "(load_state_dict(..., assign=True)): a copy doubles the memory of a mapped file"
+        )
+
+
+@public("ch01.load_weights")
+def _(load_weights):
+    model = _tiny_model(81, tied=True)
+    stored = _checkpoint(model)
+    # a stored copy of the head, as Qwen3-0.6B's file has; made different here so it shows
+    stored["lm_head.weight"] = stored["model.embed_tokens.weight"] + 1
+    target, sources, reads = _load(load_weights, model, stored)
+    if "lm_head.weight" not in reads and "lm_head.weight" not in sources:
+        raise AssertionError(
+            "the map names a source for every entry of model.state_dict(), the tied head "
+            "included: lm_head.weight <- 'model.embed_tokens.weight'"
+        )
+    if "lm_head.weight" in reads or sources.get("lm_head.weight") != "model.embed_tokens.weight":
+        raise AssertionError(
+            "tied head: lm_head.weight is filled from model.embed_tokens.weight (it is the "
+            "embedding); the stored copy must not be read (your map says lm_head.weight <- "
+            f"{sources.get('lm_head.weight')!r})"
+        )
+    expect_close(
+        "tied head == embedding", target.lm_head.weight, model.model.embed_tokens.weight, 0, 0
+    )
+    if target.lm_head.weight is not target.model.embed_tokens.weight:
+        raise AssertionError(
+            "tied head: after loading, lm_head.weight must be the same Parameter as "
+            "model.embed_tokens.weight (assign=True made two; tie them again)"
+        )
+    del stored["lm_head.weight"]  # most tied checkpoints store no head at all
+    target, _, _ = _load(load_weights, model, stored)
+    _expect_same_weights(target, model)
+
+
+@public("ch01.load_weights")
+def _(load_weights):
+    model = _tiny_model(82, tied=True)
+    prefix = "model.language_model."  # Qwen3.5: the text model inside a multimodal checkpoint
+    stored = _checkpoint(model, prefix)
+    stored["model.visual.patch_embed.proj.weight"] = torch.zeros(2, 2)
+    try:
+        target, sources, reads = _load(load_weights, model, stored, prefix)
+    except KeyError as e:
+        raise AssertionError(
+            f"prefix: this checkpoint keeps the text model under {prefix!r}, so "
+            f"model.norm.weight is stored as {prefix + 'norm.weight'!r} (your code raised "
+            f"KeyError: {e})"
+        ) from None
+    expect_equal(
+        f"checkpoint key of model.norm.weight with prefix {prefix!r}",
+        sources.get("model.norm.weight"),
+        prefix + "norm.weight",
+    )
+    _expect_same_weights(target, model)
+    del stored[prefix + "layers.1.mlp.up_proj.weight"]
+    try:
+        _load(load_weights, model, stored, prefix)
+    except KeyError as e:
+        if prefix + "layers.1.mlp.up_proj.weight" not in str(e):
+            raise AssertionError(
+                f"the KeyError must name the missing tensor; it says {e}"
+            ) from None
+    else:
+        raise AssertionError("a tensor missing from the checkpoint must raise KeyError naming it")
+
+
+@hidden("ch01.load_weights")
+def _(load_weights):
+    model = _tiny_model(83, qwen3=False, tied=False, n_heads=6, n_kv=3, layers=3)
+    stored = _checkpoint(model)
+    target, sources, _ = _load(load_weights, model, stored)
+    _expect_same_weights(target, model)
+    expect_equal("lm_head of an untied model", sources["lm_head.weight"], "lm_head.weight")
+
+
+# generation
+
+
+class _Watched:
+    """A model that records its calls: how many tokens each call fed, with which cache."""
+
+    def __init__(self, model):
+        self.model, self.calls, self.caches = model, [], []
+        self.config, self.lm_head = model.config, model.lm_head
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def new_cache(self, batch_size=1):
+        cache = self.model.new_cache(batch_size)
+        self.caches.append(cache)
+        return cache
+
+    def __call__(self, ids, cache=None, last_only=False):
+        self.calls.append((ids.clone(), cache, last_only))
+        return self.model(ids, cache=cache, last_only=last_only)
+
+    forward = __call__
+
+
+def _reference_tokens(model, prompt, n, choose, stop=()):
+    """Recompute the whole sequence at every step, no cache: independent of any cache code."""
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            token = choose(model(torch.tensor([ids]))[0, -1])
+            out.append(token)
+            if token in stop:
+                break
+            ids.append(token)
+    return out
+
+
+def _second_best(logits):
+    return int(logits.topk(2).indices[1])
+
+
+def _check_decode(decode, seed, prompt_len, n, choose=None, stop=None, stop_at=None):
+    model = _tiny_model(seed)
+    prompt = torch.randint(0, 64, (prompt_len,), generator=seeded(seed + 1)).tolist()
+    if stop_at is not None:  # stop at the token greedy decoding reaches at step `stop_at`
+        stop = {_reference_tokens(model, prompt, stop_at + 1, dec.greedy)[stop_at]}
+    watched = _Watched(model)
+    kwargs = {}
+    if choose is not None:
+        kwargs["choose"] = choose
+    if stop is not None:
+        kwargs["stop"] = stop
+    with torch.no_grad():
+        got = list(decode(watched, prompt, n, **kwargs))
+    expected = _reference_tokens(model, prompt, n, choose or dec.greedy, stop or ())
+    if len(watched.caches) != 1:
+        raise AssertionError(
+            f"one cache for the whole generation: model.new_cache() was called "
+            f"{len(watched.caches)} times"
+        )
+    fed = [c[0].shape[1] for c in watched.calls]
+    if fed and fed[0] != prompt_len:
+        raise AssertionError(
+            f"prefill: the first call feeds the whole prompt ({prompt_len} tokens)"
+        )
+    if any(t != 1 for t in fed[1:]):
+        raise AssertionError(
+            f"after the prefill, feed only the token just chosen (1 token a call; yours fed "
+            f"{fed}): the cache holds everything before it"
+        )
+    if any(c[1] is not watched.caches[0] for c in watched.calls):
+        raise AssertionError("every call must pass the cache (model(ids, cache=cache, ...))")
+    if any(not c[2] for c in watched.calls):
+        raise AssertionError("ask for the last position's logits only: last_only=True")
+    for step, (ids, _, _) in enumerate(watched.calls[1:]):
+        if int(ids[0, 0]) != got[step]:
+            raise AssertionError(
+                f"step {step + 1} must feed the token chosen at step {step} ({got[step]}), "
+                f"not {int(ids[0, 0])}"
+            )
+    if got != expected:
+        if len(got) > len(expected) and stop:
+            raise AssertionError("after yielding an id in `stop`, end the generation")
+        if stop and got == expected[:-1]:
+            raise AssertionError("yield the stop id too, then end (the caller sees why it ended)")
+        if choose is not None and got == _reference_tokens(model, prompt, n, dec.greedy):
+            raise AssertionError("pick each token with choose(logits), not always the argmax")
+        if len(got) != len(expected) and not stop:
+            raise AssertionError(f"max_new_tokens={n}: yield {n} ids, not {len(got)}")
+    expect_equal(f"tokens ({n} at most, prompt of {prompt_len})", got, expected)
+
+
+@public("ch01.decode")
+def _(decode):
+    _check_decode(decode, 90, 5, 6)
+    _check_decode(decode, 91, 3, 0)
+
+
+@public("ch01.decode")
+def _(decode):
+    _check_decode(decode, 92, 4, 5, choose=_second_best)
+    _check_decode(decode, 93, 3, 8, stop_at=2)  # ends after yielding the stop token
+
+
+@hidden("ch01.decode")
+def _(decode):
+    _check_decode(decode, 94, 9, 7, choose=_second_best, stop={-1})
+    _check_decode(decode, 95, 1, 4)

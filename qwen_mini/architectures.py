@@ -1,0 +1,43 @@
+"""Which blocks each `model_type` is built from: the one table that tells the models apart.
+
+Every Qwen decoder layer is the same two residual branches, `x + mixer(norm(x))` then
+`x + mlp(norm(x))`; the models differ only in the blocks that fill them. Read the rows as diffs:
+Qwen2 → Qwen3 drops the q/k/v bias and adds QK-Norm. Adding an architecture is a row here plus the
+blocks its chapter exports; no `forward` anywhere asks which model it is running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from .attention import Attention
+from .config import Config
+from .foundations import MLP, RMSNorm
+
+# the checkpoint's name for a layer's mixer, by the layer type config.json gives it
+MIXER_ATTRIBUTE = {"full_attention": "self_attn", "linear_attention": "linear_attn"}
+
+
+def dense_mlp(cfg: Config, layer_idx: int) -> nn.Module:
+    """The SwiGLU feed-forward of chapter 0, the same in every layer."""
+    return MLP(cfg.hidden_size, cfg.intermediate_size)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    mixers: dict[str, type[nn.Module]]  # layer type -> mixer class, built as (cfg, layer_idx)
+    mlp: Callable[[Config, int], nn.Module]  # the feed-forward of layer i
+    norm: type[nn.Module] = RMSNorm  # the decoder's RMSNorm (input, post-attention, final)
+    qkv_bias: bool = False  # a bias on q/k/v always (Qwen2); else only if attention_bias
+    qk_norm: bool = False  # RMSNorm on each query and key head before RoPE
+    checkpoint_prefix: str = "model."  # where the text model's tensors sit in the checkpoint
+    ignored_prefixes: tuple[str, ...] = ()  # tensors a text model does not load (vision, ...)
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "qwen2": Architecture(mixers={"full_attention": Attention}, mlp=dense_mlp, qkv_bias=True),
+    "qwen3": Architecture(mixers={"full_attention": Attention}, mlp=dense_mlp, qk_norm=True),
+}

@@ -1,0 +1,202 @@
+"""Grade a chapter's exercises in submitted notebooks.
+
+    qwen-mini grade --chapter 1 --out grades.csv submissions/*.ipynb
+
+Each submission runs in a sandboxed process of its own, as Jupyter would run it: every code cell
+in order (magics and shell commands skipped with a note), each with a time limit, the notebook
+within a budget. Each exercise is graded on the object its `check(...)` call names (or the name
+it defines) by the public and hidden checks, which run in the grader on plain data the sandbox
+sends back. The CSV has one row per named input: points and a status per exercise, the total and
+the maximum; a JSON report per notebook says why. Rows are written as the run goes.
+
+Exit status: 0 when every named input was found and read; 3 when some could not be (their rows
+say `unreadable`); 1 when the grader cannot run at all; 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import select
+import sys
+import tempfile
+from pathlib import Path
+
+from ..notebooks import NotebookError
+from .plan import ROOT, GraderError, display_name, load_reference, read_submission
+from .report import Grades, csv_text, number, report_name, write_atomic, write_report
+from .sandbox import Zygote
+from .session import Options, grade_notebook
+
+UNREADABLE = 3
+
+
+def submissions(paths: list[Path]) -> tuple[list[Path], list[Path]]:
+    """Files as given; folders expand to the notebooks inside them (checkpoints skipped).
+    Also returns the named folders that hold no notebook."""
+    found, empty = [], []
+    for path in paths:
+        if path.is_dir():
+            inside = sorted(p for p in path.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+            found += inside
+            if not inside:
+                empty.append(path)
+        else:
+            found.append(path)
+    return found, empty
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="qwen-mini grade",
+        description="\n\n".join(__doc__.split("\n\n")[:4]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--chapter", type=int, required=True, help="chapter number, e.g. 1")
+    p.add_argument("--out", type=Path, required=True, help="CSV file to write")
+    p.add_argument(
+        "--reports",
+        type=Path,
+        help="folder for one JSON report per notebook (default: OUT-reports)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds per cell and per exercise's checks (30)",
+    )
+    p.add_argument(
+        "--budget", type=float, default=300.0, help="seconds per notebook, all included (300)"
+    )
+    p.add_argument(
+        "--memory-mb",
+        type=int,
+        default=2048,
+        help="memory a submission may use beyond the grader's own (2048)",
+    )
+    p.add_argument(
+        "--solutions",
+        type=Path,
+        default=ROOT / "solutions",
+        help="folder of reference notebooks (the repository's solutions/)",
+    )
+    p.add_argument(
+        "--jobs", type=int, default=1, help="notebooks graded at once, one core each (1)"
+    )
+    p.add_argument("files", nargs="+", type=Path, help="submitted notebooks or folders of them")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        options = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help or a usage error: argparse has printed the message
+        return int(e.code or 0)
+    try:
+        return _grade_all(options)
+    except (GraderError, NotebookError) as e:
+        print(f"qwen-mini grade: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _say(text: str) -> None:
+    print(text.encode("utf-8", "backslashreplace").decode("utf-8", "replace"), flush=True)
+
+
+def _grade_all(options) -> int:
+    ref = load_reference(options.solutions, options.chapter)
+    files, empty = submissions(options.files)
+    reports = options.reports or options.out.with_name(options.out.stem + "-reports")
+    settings = Options(timeout=options.timeout, budget=options.budget, memory_mb=options.memory_mb)
+    done: dict[int, Grades] = {}
+    used: set[str] = set()
+    unreadable = bool(empty)
+    for folder in empty:
+        _say(f"{display_name(folder)}: no notebooks found in this folder")
+    write_atomic(options.out, csv_text(ref.ids, []))
+    for index, grades, error in _graded(files, ref, settings, max(1, options.jobs)):
+        unreadable |= bool(error)
+        done[index] = grades
+        rows = [done[i] for i in sorted(done)]  # in the order given; a killed run keeps these
+        write_atomic(options.out, csv_text(ref.ids, rows))
+        write_report(reports, report_name(grades.notebook, used), grades, options.chapter)
+        note = f" — {grades.error}" if grades.error else ""
+        warn = f" ({len(grades.warnings)} warnings)" if grades.warnings else ""
+        _say(f"{grades.notebook}: {number(grades.total)}/{number(grades.max_total)}{warn}{note}")
+    _say(f"wrote {display_name(options.out)} and reports in {display_name(reports)}")
+    return UNREADABLE if unreadable else 0
+
+
+def _grade_share(files, indices, ref, settings):
+    """Grade files[i] for i in `indices` with a zygote of this process's own; yield
+    (index, grades, read error)."""
+    with tempfile.TemporaryDirectory(prefix="qwen-mini-grader-") as tmp:
+        zygote = Zygote(ref.chapter, Path(tmp))
+        try:
+            if zygote.exercises != ref.ids:
+                raise GraderError(
+                    f"the sandbox sees exercises {zygote.exercises}, the grader {ref.ids}"
+                )
+            for i in indices:
+                sub = read_submission(files[i], ref.chapter)
+                yield i, grade_notebook(sub, ref, zygote, settings), sub.error
+        finally:
+            zygote.close()
+
+
+def _graded(files, ref, settings, jobs: int):
+    """(index, grades, read error) as notebooks are graded: here, or with `jobs` > 1 in that
+    many forked grading processes, each with its own sandbox, sending results back as JSON."""
+    if jobs == 1 or len(files) < 2:
+        yield from _grade_share(files, range(len(files)), ref, settings)
+        return
+    import torch
+
+    drivers = {}
+    for k in range(min(jobs, len(files))):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # a grading process: its share of the files, one JSON line per notebook
+            os.close(r)
+            code = 0
+            try:
+                torch.set_num_threads(1)
+                with os.fdopen(w, "w", encoding="utf-8") as out:
+                    for i, grades, error in _grade_share(
+                        files, range(k, len(files), jobs), ref, settings
+                    ):
+                        out.write(json.dumps({"i": i, "g": vars(grades), "e": error}) + "\n")
+                        out.flush()
+            except BaseException as e:
+                code = 1
+                with contextlib.suppress(OSError):
+                    os.write(w, (json.dumps({"fatal": f"{type(e).__name__}: {e}"}) + "\n").encode())
+            finally:
+                os._exit(code)
+        os.close(w)
+        drivers[r] = (pid, set(range(k, len(files), jobs)), b"")
+    while drivers:
+        for fd in select.select(list(drivers), [], [])[0]:
+            pid, left, pending = drivers[fd]
+            data = os.read(fd, 1 << 20)
+            *lines, pending = (pending + data).split(b"\n")
+            for line in lines:
+                item = json.loads(line)
+                if "fatal" in item:
+                    raise GraderError(f"a grading process failed: {item['fatal']}")
+                left.discard(item["i"])
+                grades = Grades(item["g"]["notebook"], item["g"]["points"])
+                vars(grades).update(item["g"])
+                yield item["i"], grades, item["e"]
+            drivers[fd] = (pid, left, pending)
+            if not data:
+                os.close(fd)
+                del drivers[fd]
+                os.waitpid(pid, 0)
+                for i in sorted(left):  # the grading process died: these were not graded
+                    grades = Grades(display_name(files[i]), {e.id: e.points for e in ref.exercises})
+                    for x in ref.ids:
+                        grades.set(x, "crashed", "the grading process for this notebook died")
+                    yield i, grades, ""

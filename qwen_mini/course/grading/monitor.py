@@ -1,0 +1,204 @@
+"""Inside the sandbox: what each exercise's reference is made of, and a watch on which code runs
+while the grader checks an exercise, so that an answer that is the reference (called, wrapped,
+subclassed, copied, compiled again, run in a thread) is caught; and what "tampering" compares.
+
+Everything here is computed in the zygote, before any learner code runs, and kept by the worker.
+It runs in the learner's process, so it is a tripwire, not a wall: the comparisons that decide
+points never run here (they run in the grader, see `session.py`).
+"""
+
+from __future__ import annotations
+
+import builtins
+import sys
+import types
+
+BLOCKED_WHILE_CHECKED = (
+    "sys.setprofile",
+    "sys.settrace",
+    "os.fork",
+    "os.forkpty",
+    "os.posix_spawn",
+    "os.exec",
+    "os.spawn",
+    "os.system",
+    "subprocess.Popen",
+    "ctypes.dlopen",
+    "ctypes.dlsym",
+    "ctypes.cdata",
+    "ctypes.addressof",
+    "gc.get_objects",
+    "gc.get_referrers",
+    "gc.get_referents",
+    "sys._current_frames",
+)
+
+
+# --- what the references are made of (computed in the zygote, before any learner code) ----------
+
+
+def _codes(obj, seen=None) -> list[types.CodeType]:
+    """Every code object a function or class (and the functions nested in them) runs."""
+    seen = set() if seen is None else seen
+    out = []
+    if id(obj) in seen:
+        return out
+    seen.add(id(obj))
+    if isinstance(obj, types.CodeType):
+        out.append(obj)
+        for c in obj.co_consts:
+            if isinstance(c, types.CodeType):
+                out += _codes(c, seen)
+    elif isinstance(obj, (staticmethod, classmethod)):
+        out += _codes(obj.__func__, seen)
+    elif isinstance(obj, property):
+        for f in (obj.fget, obj.fset, obj.fdel):
+            if f is not None:
+                out += _codes(f, seen)
+    elif isinstance(obj, type):
+        for klass in obj.__mro__:
+            if getattr(klass, "__module__", "").split(".")[0] not in ("builtins", "torch"):
+                for value in vars(klass).values():
+                    out += _codes(value, seen)
+    elif hasattr(obj, "__code__") and isinstance(obj.__code__, types.CodeType):
+        out += _codes(obj.__code__, seen)
+    return out
+
+
+def fingerprint(code: types.CodeType) -> tuple:
+    """What a code object does, without where it was compiled: a copy of the reference's source
+    compiled again (exec, a module written to disk, `code.replace`) has the same fingerprint."""
+    consts = tuple(
+        fingerprint(c) if isinstance(c, types.CodeType) else (type(c).__name__, repr(c))
+        for c in code.co_consts
+    )
+    return (code.co_code, code.co_names, code.co_varnames, consts)
+
+
+class Snapshot:
+    """Per exercise: the reference object, the ids of its code objects and their fingerprints;
+    the ids of every code object of the package; what the checked namespaces hold."""
+
+    def __init__(self, exercises):
+        self.references = {e.id: e.reference for e in exercises}
+        self.code_ids, self.fingerprints = {}, {}
+        self.keep = []  # code objects stay alive, so their ids stay theirs
+        for e in exercises:
+            codes = _codes(e.reference)
+            self.keep += codes
+            self.code_ids[e.id] = {id(c) for c in codes}
+            self.fingerprints[e.id] = {fingerprint(c) for c in codes}
+        self.package_ids = set()
+        for name, module in list(sys.modules.items()):
+            if name.split(".")[0] == "qwen_mini" and module is not None:
+                for value in list(vars(module).values()):
+                    codes = _codes(value)
+                    self.keep += codes
+                    self.package_ids.update(id(c) for c in codes)
+        self.names = namespaces()
+
+
+def namespaces() -> dict[str, int]:
+    """Public names of torch, torch.nn.functional, Tensor, Module, the builtins and the package's
+    model modules, each with the id of what it refers to."""
+    import torch
+    import torch.nn.functional as F
+
+    spaces = dict(torch=torch, F=F, Tensor=torch.Tensor, Module=torch.nn.Module, builtins=builtins)
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] == "qwen_mini" and not name.startswith("qwen_mini.course"):
+            spaces[name] = module
+    return {
+        f"{where}.{k}": id(v)
+        for where, m in spaces.items()
+        for k, v in list(vars(m).items())
+        if not k.startswith("_") and not isinstance(v, types.ModuleType)
+    }
+
+
+def changed(before: dict[str, int]) -> str:
+    now = namespaces()
+    for name, value in before.items():
+        if now.get(name) != value:
+            return name
+    return ""
+
+
+class Monitor:
+    """While the grader checks an exercise, notes whether the reference's code runs: called
+    directly, wrapped, subclassed, through functools.partial, or as a copy compiled again."""
+
+    def __init__(self, snapshot: Snapshot):
+        self.snap = snapshot
+        self.cell_code_ids: set[int] = set()
+        self.cell_codes: list = []
+        self.memo: dict[int, tuple] = {}
+        self.exercise = None
+        self.hit = ""
+
+    def add_cell(self, code: types.CodeType) -> None:
+        for c in _codes(code):
+            self.cell_codes.append(c)
+            self.cell_code_ids.add(id(c))
+
+    def profile(self, frame, event, arg):
+        if event != "call" or self.exercise is None or self.hit:
+            return
+        code = frame.f_code
+        cid = id(code)
+        if cid in self.cell_code_ids:
+            return
+        ids = self.snap.code_ids[self.exercise]
+        if cid in ids:
+            self.hit = code.co_qualname
+            return
+        if cid in self.snap.package_ids:
+            return  # an earlier piece of the package: allowed
+        entry = self.memo.get(cid)
+        if entry is None or entry[0] is not code:
+            entry = self.memo[cid] = (code, fingerprint(code))
+        if entry[1] in self.snap.fingerprints[self.exercise]:
+            self.hit = f"a copy of {code.co_qualname}"
+
+    def audit(self, event: str, args) -> None:
+        if event in ("sys.setprofile", "sys.settrace"):  # never, or a thread could unwatch itself
+            caller = sys._getframe(1).f_code  # (only this monitor may change the profiler)
+            if caller not in (
+                Monitor.start.__code__,
+                Monitor.stop.__code__,
+                Monitor.enter_thread.__code__,
+            ):
+                raise RuntimeError(f"{event} is not available while a notebook is graded")
+            return
+        if self.exercise is None or event == "sys._getframe":
+            return
+        if event.startswith(BLOCKED_WHILE_CHECKED):
+            raise RuntimeError(f"{event} is not allowed while an exercise is being checked")
+
+    def enter_thread(self) -> None:
+        """First thing in every thread the submission starts: threads are watched too."""
+        sys.setprofile(self.profile)
+
+    def watch_threads(self) -> None:
+        import _thread
+        import threading
+
+        start = _thread.start_new_thread
+
+        def start_new_thread(function, args, kwargs=None):
+            def run(*a, **k):
+                self.enter_thread()
+                return function(*a, **k)
+
+            return start(run, args, kwargs or {})
+
+        _thread.start_new_thread = threading._start_new_thread = start_new_thread
+
+    def start(self, exercise: str) -> None:
+        self.exercise, self.hit = exercise, ""
+        sys.setprofile(self.profile)
+
+    def stop(self) -> str:
+        sys.setprofile(None)
+        self.exercise = None
+        return self.hit

@@ -1,0 +1,371 @@
+"""The channel between the grader and a worker: framed JSON messages and values as plain data.
+
+A frame is a 4-byte big-endian length and that many bytes of JSON (ASCII: lone surrogates in
+learner text travel escaped). Values cross as plain data of exact types only:
+
+    None, bool, int, float, str            as themselves (the exact built-in types)
+    list, tuple, set, frozenset, dict      {"t": "list" | "tuple" | "set" | ..., "v": ...}
+    torch.Tensor (or nn.Parameter)         {"t": "tensor", "dtype", "shape", "data" (base64), ...}
+    torch.dtype / device / Size, slice     {"t": "dtype" | "device" | "size" | "slice", "v": ...}
+    a dataclass of the package, a SimpleNamespace (grader -> worker only) {"t": "obj" | "ns"}
+    a package object by import path (grader -> worker only)              {"t": "pkg", "v": path}
+    a path (grader -> worker only): a copy of the file the worker can read  {"t": "path", "v": ...}
+    anything else                          a handle: {"t": "ref", "side": "w" | "p", "h": n}
+
+A tensor subclass coming from the worker crosses as {"t": "bad"}, and decoding it fails the check
+as a wrong answer; a subclass of a built-in type (a named tuple, an int with its own `__eq__`)
+crosses as a handle, which equals nothing but itself: neither one's own `__eq__` or
+`__torch_function__` ever runs on the grader's side. Decoding validates every field: a
+malformed value raises ProtocolError, which costs that submission only.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import dataclasses
+import json
+import os
+import pathlib
+import socket
+import struct
+import sys
+import types
+
+import torch
+
+MAX_FRAME = 64 * 2**20  # bytes: a bigger message is a protocol error
+HEADER = struct.Struct(">I")
+DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex64,
+        torch.complex128,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
+MAX_DEPTH = 32  # nesting of containers in one value
+
+
+class Handle:
+    """Marks a value to send as a handle even if it is plain data (the object under test)."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+
+class ProtocolError(Exception):
+    """A message that is not what the protocol allows."""
+
+
+class WrongType(AssertionError):
+    """A value from the learner's code that is not plain data (a subclass with its own rules)."""
+
+
+# --- framing -------------------------------------------------------------------------------------
+
+
+def send(sock: socket.socket, message: dict) -> None:
+    data = json.dumps(message, ensure_ascii=True, allow_nan=True).encode("ascii")
+    if len(data) > MAX_FRAME:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_FRAME}")
+    sock.sendall(HEADER.pack(len(data)) + data)
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            raise EOFError("the other side closed the channel")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def receive(sock: socket.socket) -> dict:
+    """One message (blocking; callers select() first). EOFError at end, ProtocolError if bad."""
+    (n,) = HEADER.unpack(_read_exact(sock, HEADER.size))
+    if n > MAX_FRAME:
+        raise ProtocolError(f"a frame of {n} bytes (the limit is {MAX_FRAME})")
+    try:
+        message = json.loads(_read_exact(sock, n).decode("ascii"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ProtocolError(f"not JSON: {e}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError("a message must be a JSON object")
+    return message
+
+
+# --- values --------------------------------------------------------------------------------------
+
+
+class Codec:
+    """Encodes values for one side of the channel; objects that are not plain data become handles
+    into `self.objects`; `remote(side, h)` builds the local stand-in for the other side's handle."""
+
+    def __init__(self, side: str, remote, export_ok=lambda obj: True, path_hook=None):
+        self.side = side  # "w" (worker) or "p" (grader)
+        self.objects: dict[int, object] = {}
+        self.remote = remote
+        self.export_ok = export_ok
+        self.path_hook = path_hook  # grader side: a file's path -> its copy the worker can read
+        self.mirrors: list[tuple[int, torch.Tensor, int]] = []  # see decode()
+
+    def handle(self, obj) -> int:
+        h = len(self.objects) + 1
+        self.objects[h] = obj
+        return h
+
+    def lookup(self, h) -> object:
+        if type(h) is not int or h not in self.objects:
+            raise ProtocolError(f"unknown handle {h!r}")
+        return self.objects[h]
+
+    # values going out
+
+    def encode(self, value, depth: int = 0):
+        if depth > MAX_DEPTH:
+            raise ValueError("a value nested too deeply to send")
+        t = type(value)
+        if t is Handle:
+            return self.ref(value.obj)
+        if t is str and self.path_hook and value.startswith("/") and os.path.isfile(value):
+            return self.path_hook(value)  # a file of the grader's, named in a string
+        if value is None or t in (bool, int, str):
+            return value
+        if t is float:
+            return (
+                value
+                if value == value and abs(value) != float("inf")
+                else {"t": "float", "v": repr(value)}
+            )
+        if t in (list, tuple, set, frozenset):
+            return {"t": t.__name__, "v": [self.encode(x, depth + 1) for x in value]}
+        if t is dict or t is collections.OrderedDict:
+            return {
+                "t": "dict",
+                "v": [
+                    [self.encode(k, depth + 1), self.encode(v, depth + 1)] for k, v in value.items()
+                ],
+            }
+        if t is torch.Tensor or t is torch.nn.Parameter:
+            return self._tensor(value)
+        if t is torch.dtype:
+            return {"t": "dtype", "v": str(value).removeprefix("torch.")}
+        if t is torch.device:
+            return {"t": "device", "v": str(value)}
+        if t is torch.Size:
+            return {"t": "size", "v": list(value)}
+        if t is slice:
+            return {
+                "t": "slice",
+                "v": [self.encode(x, depth + 1) for x in (value.start, value.stop, value.step)],
+            }
+        if value is Ellipsis:
+            return {"t": "ellipsis"}
+        if self.side == "w" and isinstance(value, torch.Tensor):
+            return {"t": "bad", "v": f"a {_name(t)}, a subclass of torch.Tensor"}
+        if self.side == "p":
+            if isinstance(value, pathlib.PurePath) and self.path_hook:
+                return {"t": "path", "v": self.path_hook(str(value))}
+            if t is types.SimpleNamespace:
+                return {
+                    "t": "ns",
+                    "v": {k: self.encode(v, depth + 1) for k, v in vars(value).items()},
+                }
+            if dataclasses.is_dataclass(value) and _package_path(t):
+                fields = {
+                    f.name: self.encode(getattr(value, f.name), depth + 1)
+                    for f in dataclasses.fields(value)
+                }
+                return {"t": "obj", "cls": _package_path(t), "v": fields}
+            if _package_path(value) and not isinstance(value, types.ModuleType):
+                return {"t": "pkg", "v": _package_path(value)}
+        if not self.export_ok(value):
+            raise TypeError(f"a {_name(t)} cannot be passed to the other side")
+        return self.ref(value)
+
+    def ref(self, obj) -> dict:
+        name = getattr(obj if isinstance(obj, type) else type(obj), "__name__", "object")
+        return {"t": "ref", "side": self.side, "h": self.handle(obj), "type": str(name)[:100]}
+
+    def _tensor(self, value: torch.Tensor) -> dict:
+        if value.layout != torch.strided or value.is_meta or value.is_quantized:
+            return {"t": "bad", "v": f"a {value.layout} tensor (expected a dense one)"}
+        name = str(value.dtype).removeprefix("torch.")
+        if name not in DTYPES:
+            return {"t": "bad", "v": f"a tensor of dtype {value.dtype}"}
+        data = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
+        raw = data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
+        out = {
+            "t": "tensor",
+            "dtype": name,
+            "shape": list(data.shape),
+            "data": base64.b64encode(raw).decode("ascii"),
+            "grad": bool(value.requires_grad and value.is_leaf),
+        }
+        if self.side == "w":  # the grader may change it in place (p.fill_(1.0)): keep a way back
+            out["h"] = self.handle(value)
+        return out
+
+    # values coming in
+
+    def decode(self, value, depth: int = 0):
+        if depth > MAX_DEPTH:
+            raise ProtocolError("a value nested too deeply")
+        if value is None or type(value) in (bool, int, float, str):
+            return value
+        if type(value) is not dict or type(value.get("t")) is not str:
+            raise ProtocolError(f"not a value: {_short(value)}")
+        t, v = value["t"], value.get("v")
+        if t in ("list", "tuple", "set", "frozenset"):
+            _need(type(v) is list, value)
+            items = [self.decode(x, depth + 1) for x in v]
+            if t in ("set", "frozenset"):
+                try:
+                    return set(items) if t == "set" else frozenset(items)
+                except TypeError:
+                    raise ProtocolError("an unhashable set element") from None
+            return items if t == "list" else tuple(items)
+        if t == "dict":
+            _need(type(v) is list and all(type(p) is list and len(p) == 2 for p in v), value)
+            out = {}
+            for k, x in v:
+                key = self.decode(k, depth + 1)
+                try:
+                    out[key] = self.decode(x, depth + 1)
+                except TypeError:
+                    raise ProtocolError("an unhashable dict key") from None
+            return out
+        if t == "float":
+            _need(v in ("nan", "inf", "-inf"), value)
+            return float(v)
+        if t == "tensor":
+            return self._decode_tensor(value)
+        if t == "dtype":
+            _need(v in DTYPES, value)
+            return DTYPES[v]
+        if t == "device":
+            _need(v in ("cpu", "meta"), value)
+            return torch.device(v)
+        if t == "size":
+            _need(type(v) is list and all(type(x) is int and x >= 0 for x in v), value)
+            return torch.Size(v)
+        if t == "slice":
+            _need(type(v) is list and len(v) == 3, value)
+            parts = [self.decode(x, depth + 1) for x in v]
+            _need(all(x is None or type(x) is int for x in parts), value)
+            return slice(*parts)
+        if t == "ellipsis":
+            return Ellipsis
+        if t == "bad":
+            raise WrongType(
+                f"your code returned {_short(v, 200)}; "
+                "return plain data (a torch.Tensor, numbers, lists)"
+            )
+        if t == "ref":
+            h, side = value.get("h"), value.get("side")
+            if side == self.side:
+                return self.lookup(h)
+            _need(side in ("w", "p") and type(h) is int, value)
+            return self.remote(h, value.get("type"))
+        if self.side == "w" and t == "path":
+            _need(type(v) is str, value)
+            return pathlib.Path(v)
+        if self.side == "w" and t in ("ns", "obj", "pkg"):
+            return self._decode_object(t, value, depth)
+        raise ProtocolError(f"unknown value type {t!r}")
+
+    def _decode_tensor(self, value: dict) -> torch.Tensor:
+        dtype, shape, data = value.get("dtype"), value.get("shape"), value.get("data")
+        _need(dtype in DTYPES and type(data) is str, value)
+        _need(
+            type(shape) is list
+            and len(shape) <= 16
+            and all(type(x) is int and x >= 0 for x in shape),
+            value,
+        )
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except ValueError:
+            raise ProtocolError("tensor data is not base64") from None
+        numel = 1
+        for n in shape:
+            numel *= n
+        dt = DTYPES[dtype]
+        size = torch.empty((), dtype=dt).element_size()
+        _need(len(raw) == numel * size, value)
+        if numel == 0:
+            tensor = torch.empty(shape, dtype=dt)
+        elif dt is torch.bool:
+            tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8).ne(0).reshape(shape)
+        else:
+            tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape)
+        if value.get("grad") is True and tensor.is_floating_point():
+            tensor.requires_grad_(True)
+        if "h" in value:
+            _need(type(value["h"]) is int, value)
+            self.mirrors.append((value["h"], tensor, tensor._version))
+        return tensor
+
+    def _decode_object(self, t: str, value: dict, depth: int):
+        v = value.get("v")
+        if t == "pkg":
+            _need(type(v) is str, value)
+            return resolve(v)
+        _need(type(v) is dict and all(type(k) is str for k in v), value)
+        fields = {k: self.decode(x, depth + 1) for k, x in v.items()}
+        if t == "ns":
+            return types.SimpleNamespace(**fields)
+        cls = resolve(value.get("cls"))
+        obj = object.__new__(cls)
+        obj.__dict__.update(fields)
+        return obj
+
+
+def _need(ok: bool, value) -> None:
+    if not ok:
+        raise ProtocolError(f"malformed value {_short(value)}")
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _name(t: type) -> str:
+    return f"{getattr(t, '__module__', '?')}.{getattr(t, '__qualname__', '?')}"
+
+
+def _package_path(obj) -> str:
+    """`qwen_mini.x.y` if `obj` is a module-level object of the package (not of the course)."""
+    module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(name, str) or "." in name:
+        return ""
+    if module.split(".")[0] != "qwen_mini" or module.startswith("qwen_mini.course"):
+        return ""
+    found = getattr(sys.modules.get(module), name, None)
+    return f"{module}.{name}" if found is obj else ""
+
+
+def resolve(path) -> object:
+    """The package object at `qwen_mini.module.name`, among modules already imported."""
+    if type(path) is not str or "." not in path:
+        raise ProtocolError(f"bad import path {path!r}")
+    module, name = path.rsplit(".", 1)
+    if module.split(".")[0] != "qwen_mini" or module not in sys.modules:
+        raise ProtocolError(f"not a package object: {path!r}")
+    try:
+        return getattr(sys.modules[module], name)
+    except AttributeError:
+        raise ProtocolError(f"not a package object: {path!r}") from None

@@ -1,0 +1,431 @@
+"""The grader's side of the sandbox: the zygote that forks workers, one worker per submission, and
+the stand-ins (`Remote`) through which the checks, running here, call the learner's objects.
+
+A submission's worker runs as a user id of its own when the grader runs as root (a fresh id per
+submission, no account, no groups), in a fresh folder under the system's temporary folder, with
+limits on memory, file size and processes. Nothing it does reaches this process except messages
+on its socket, and each of those is validated: a malformed one, a stall past the deadline or a
+dead worker raise `WorkerFault`, which the session turns into that submission's status.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import json
+import os
+import random
+import select
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import torch
+
+from ..checking import CHECKS
+from . import protocol
+from .plan import ROOT, GraderError
+from .protocol import Codec, ProtocolError
+
+PROCESS_OUTPUT_CAP = 20_000  # bytes kept of what a worker wrote to its stdout / stderr
+MAX_NESTING = 20  # requests from the worker while one of ours is pending
+BOOT = (
+    "import sys; sys.path.insert(0, sys.argv[3]); "
+    "from qwen_mini.course.grading.worker import serve_zygote; "
+    "serve_zygote(int(sys.argv[1]), sys.argv[2])"
+)
+
+
+class WorkerFault(BaseException):
+    """The worker cannot go on: it overran its time, died, or broke the protocol. A
+    BaseException, so that a check's `except Exception` cannot swallow it."""
+
+    status = "crashed"
+
+
+class WorkerTimeout(WorkerFault):
+    status = "timeout"
+
+
+class WorkerGone(WorkerFault):
+    pass
+
+
+class BadMessage(WorkerFault):
+    pass
+
+
+class Zygote:
+    """A process that has imported torch and the chapter's checks and forks one worker per
+    submission; it kills what a submission leaves behind when the grader says it is done."""
+
+    def __init__(self, chapter: str, workdir: Path):
+        self.chapter, self.workdir = chapter, workdir
+        self.exercises: list[str] = []
+        self._spawn()
+
+    def _spawn(self) -> None:
+        self.sock, theirs = socket.socketpair()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+        env["QWEN_MINI_CHECKS"] = "learner"
+        self.log = self.workdir / "zygote.log"
+        args = [sys.executable, "-I", "-c", BOOT, str(theirs.fileno()), self.chapter, str(ROOT)]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                args,
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
+                env=env,
+            )
+        theirs.close()
+        ready = self._receive(600)
+        if not ready or not ready.get("ready"):
+            detail = (ready or {}).get("error") or self.log.read_text(errors="replace")
+            self.close()
+            raise GraderError(f"could not load the checks of {self.chapter}:\n{detail}")
+        self.exercises = ready["exercises"]
+
+    def _receive(self, timeout: float) -> dict | None:
+        self.sock.settimeout(timeout)
+        try:
+            return protocol.receive(self.sock)
+        except (OSError, EOFError, ProtocolError):
+            return None
+
+    def start(self, job: dict, fds: list[int]) -> int:
+        """Fork a worker for `job`; its pid. A zygote killed by a submission (possible when the
+        grader does not run as root) is started again, once."""
+        for attempt in range(2):
+            reply = None
+            if self.proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    socket.send_fds(self.sock, [json.dumps(job).encode()], fds)
+                    reply = self._receive(60)
+            if reply and type(reply.get("pid")) is int:
+                return reply["pid"]
+            if attempt == 0:
+                self.close()
+                self._spawn()
+        raise GraderError(f"the grading zygote stopped: {self.log.read_text(errors='replace')}")
+
+    def end(self) -> dict:
+        """Kill the worker and everything it started; {"exit": code, "stopped": bool}."""
+        with contextlib.suppress(OSError, ProtocolError):
+            protocol.send(self.sock, {"end": True})
+            reply = self._receive(120)
+            if reply:
+                return reply
+        self.close()
+        self._spawn()
+        return {"exit": None, "stopped": False}
+
+    def close(self) -> None:
+        self.sock.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _from_checks(module: str) -> bool:
+    """Defined in a chapter's check module (or a test fixture's): a fake model or a callback that
+    a check hands to the learner's code on purpose."""
+    return module.startswith((CHECKS + ".", "qwen_mini_extra_exercises."))
+
+
+def _exportable(obj) -> bool:
+    """What the grader lets a worker hold a handle to: objects of the package's classes (a
+    reference KV cache), torch modules (an embedding a check passes in), bound methods of the
+    package's own non-module classes, and the functions and objects a check module defines to
+    be called by the learner's code (which can call them with plain data only). Never modules,
+    other plain functions or the grader itself."""
+    if isinstance(obj, types.MethodType):
+        return _method_allowed(obj)
+    if isinstance(obj, types.FunctionType):
+        return _from_checks(getattr(obj, "__module__", "") or "")
+    module = getattr(type(obj), "__module__", "") or ""
+    if isinstance(obj, torch.nn.Module):
+        return not module.startswith("qwen_mini.course") or _from_checks(module)
+    if _from_checks(module):
+        return True
+    return module.split(".")[0] == "qwen_mini" and not module.startswith("qwen_mini.course")
+
+
+def _method_allowed(method: types.MethodType) -> bool:
+    """A method the learner's code may call on an object of the grader's: one the package
+    defines on a class that is not a module (`KVCache.update`), a module's `forward`, or a public
+    method of a check module's own fake. Nothing that re-weights or hooks a module the grader
+    computes expected values with."""
+    owner, fn = method.__self__, method.__func__
+    module = getattr(fn, "__module__", "") or ""
+    if _from_checks(getattr(type(owner), "__module__", "") or ""):
+        return _from_checks(module) and not fn.__name__.startswith("_")
+    if isinstance(owner, torch.nn.Module):
+        return fn.__name__ == "forward"
+    return module.split(".")[0] == "qwen_mini" and not module.startswith("qwen_mini.course")
+
+
+def _plain(value, depth: int = 0) -> bool:
+    """No stand-in for the learner's objects inside (the grader never keeps the learner's
+    callables: a hook registered with one would run learner code in the comparisons)."""
+    if depth > 32 or type(value) is Remote:
+        return False
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in value.items())
+    return True
+
+
+def _learner_exception(info) -> Exception:
+    """The exception the learner's code raised, rebuilt here from its name and message."""
+    if (
+        type(info) is not dict
+        or type(info.get("type")) is not str
+        or type(info.get("msg")) is not str
+    ):
+        raise BadMessage("a malformed exception from the worker")
+    name, text = info["type"][:100], info["msg"][:2000]
+    cls = getattr(builtins, name, None)
+    if isinstance(cls, type) and issubclass(cls, Exception) and cls.__module__ == "builtins":
+        return cls(text)
+    safe = name if name.isidentifier() else "Exception"
+    return type(safe, (Exception,), {"__module__": "learner"})(text)
+
+
+class Remote:
+    """The grader's stand-in for an object that lives in the worker. Calling it, reading or
+    setting its public attributes, indexing and iterating it are requests to the worker; its
+    equality is identity and its repr is local, so none of the learner's code runs here."""
+
+    __slots__ = ("_conn", "_h", "_type")
+
+    def __init__(self, conn: Connection, h: int, type_name):
+        object.__setattr__(self, "_conn", conn)
+        object.__setattr__(self, "_h", h)
+        object.__setattr__(self, "_type", str(type_name or "object")[:100])
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self._conn.request({"op": "getattr", "h": self._h, "name": name})
+
+    def __setattr__(self, name, value):
+        self._conn.request({"op": "setattr", "h": self._h, "name": name, "value": value})
+
+    def __call__(self, *args, **kwargs):
+        return self._conn.request({"op": "call", "h": self._h, "args": args, "kwargs": kwargs})
+
+    def __getitem__(self, key):
+        return self._conn.request({"op": "getitem", "h": self._h, "key": key})
+
+    def __setitem__(self, key, value):
+        self._conn.request({"op": "setitem", "h": self._h, "key": key, "value": value})
+
+    def __len__(self):
+        n = self._conn.request({"op": "len", "h": self._h})
+        if type(n) is not int or n < 0:
+            raise TypeError("len() of your object is not a non-negative int")
+        return n
+
+    def __iter__(self):
+        it = self._conn.request({"op": "iter", "h": self._h})
+        if type(it) is not Remote:
+            raise TypeError("iter() of your object returned plain data")
+        return it
+
+    def __next__(self):
+        return self._conn.request({"op": "next", "h": self._h})
+
+    def __repr__(self):
+        return f"<your {self._type} object>"
+
+
+class Connection:
+    """One submission's worker: started on creation, ended by `close()`."""
+
+    def __init__(self, zygote: Zygote, memory_mb: int, on_use):
+        self.zygote, self.on_use = zygote, on_use
+        self.codec = Codec("p", lambda h, t: Remote(self, h, t), _exportable, self._copy_in)
+        self.copies: dict[str, str] = {}
+        self.deadline = time.monotonic() + 60
+        self.request_id, self.depth = 0, 0
+        self.uid = random.randrange(2_000_000_000, 2_100_000_000) if os.geteuid() == 0 else None
+        self.cwd = tempfile.mkdtemp(prefix="qwen-mini-submission-")
+        self.output = tempfile.TemporaryFile(dir=zygote.workdir)
+        if self.uid is not None:
+            os.chown(self.cwd, self.uid, self.uid)
+        self.sock, theirs = socket.socketpair()
+        job = {"uid": self.uid, "cwd": self.cwd, "memory_mb": memory_mb}
+        try:
+            self.pid = zygote.start(job, [theirs.fileno(), self.output.fileno()])
+        finally:
+            theirs.close()
+        self.closed = False
+        self.ended: dict = {}
+        try:
+            if self._next_message().get("ready") is not True:
+                raise BadMessage("the worker did not start")
+        except WorkerFault:
+            self.close()  # the zygote ends it and waits for the next submission
+            raise
+
+    def _copy_in(self, path: str) -> str:
+        """A check passes a file of its own (a safetensors file it wrote): the worker, another
+        user, gets a copy in its folder (read-only for it), under the same file name."""
+        if path not in self.copies:
+            folder = os.path.join(self.cwd, "inputs", str(len(self.copies)))
+            os.makedirs(folder, mode=0o755)
+            copy = os.path.join(folder, os.path.basename(path))
+            if os.path.isfile(path):
+                shutil.copyfile(path, copy)
+                os.chmod(copy, 0o644)
+            self.copies[path] = copy
+        return self.copies[path]
+
+    # channel
+
+    def _next_message(self) -> dict:
+        while True:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerTimeout("deadline")
+            try:
+                ready = select.select([self.sock], [], [], left)[0]
+            except (OSError, ValueError):
+                raise WorkerGone("the channel broke") from None
+            if not ready:
+                continue
+            self.sock.settimeout(max(0.01, self.deadline - time.monotonic()))
+            try:
+                return protocol.receive(self.sock)
+            except TimeoutError:
+                raise WorkerTimeout("deadline") from None
+            except (EOFError, OSError):
+                raise WorkerGone("the worker closed its channel") from None
+            except ProtocolError as e:
+                raise BadMessage(str(e)) from None
+
+    def _send(self, message: dict) -> None:
+        self.sock.settimeout(max(0.01, self.deadline - time.monotonic()))
+        try:
+            protocol.send(self.sock, message)
+        except TimeoutError:
+            raise WorkerTimeout("deadline") from None
+        except OSError:
+            raise WorkerGone("the worker closed its channel") from None
+
+    def request(self, message: dict):
+        """Send a request; serve the worker's requests until its answer; the decoded answer
+        (or the learner's exception, raised here)."""
+        if self.closed:
+            raise WorkerGone("the worker has ended")
+        self.request_id += 1
+        rid = self.request_id
+        out = dict(message, id=rid, grad=torch.is_grad_enabled())
+        for key in ("args", "kwargs", "value", "key"):
+            if key in out:
+                out[key] = self.codec.encode(out[key])
+        sync = []
+        for i, (h, tensor, version) in enumerate(self.codec.mirrors):
+            if tensor._version != version:  # changed here in place: change the worker's too
+                sync.append([h, self.codec.encode(tensor)])
+                self.codec.mirrors[i] = (h, tensor, tensor._version)
+        if sync:
+            out["sync"] = sync
+        self._send(out)
+        while True:
+            reply = self._next_message()
+            if "op" in reply:
+                self._serve(reply)
+                continue
+            if reply.get("id") != rid:
+                raise BadMessage("an answer to a question not asked")
+            try:
+                if "raise" in reply:
+                    raise _learner_exception(reply["raise"])
+                if "re" not in reply:
+                    raise BadMessage("an answer without a value")
+                return self.codec.decode(reply["re"])
+            except ProtocolError as e:
+                raise BadMessage(str(e)) from None
+
+    def _serve(self, m: dict) -> None:
+        """A request of the worker: the learner's code uses an object of the grader's, or
+        asks (`use(...)`) whether its piece passes."""
+        if self.depth >= MAX_NESTING:
+            raise BadMessage("requests nested too deeply")
+        self.depth += 1
+        try:
+            result = {"re": self.codec.encode(self._do(m))}
+        except WorkerFault:
+            raise
+        except ProtocolError as e:
+            raise BadMessage(str(e)) from None
+        except Exception as e:
+            result = {"raise": {"type": type(e).__name__, "msg": str(e)[:2000]}}
+        finally:
+            self.depth -= 1
+        self._send(dict(result, id=m.get("id")))
+
+    def _do(self, m: dict):
+        op, decode = m.get("op"), self.codec.decode
+        if op == "use":
+            exercise, obj = m.get("ex"), decode(m.get("obj"))
+            if type(exercise) is not str:
+                raise ProtocolError("use() without an exercise id")
+            return bool(self.on_use(exercise, obj))
+        name = m.get("name")
+        if op in ("getattr", "setattr") and (type(name) is not str or name.startswith("_")):
+            raise AttributeError(f"{name!r} is not a public attribute")
+        target = self.codec.lookup(m.get("h"))
+        if op == "getattr":
+            value = getattr(target, name)
+            if isinstance(value, types.MethodType) and not _method_allowed(value):
+                raise AttributeError(f"your code may not call {name}() on the grader's objects")
+            return value
+        if op == "setattr":
+            value = decode(m.get("value"))
+            current = getattr(target, name, None)
+            if isinstance(target, torch.nn.Module) or type(current) not in (int, float, bool):
+                raise AttributeError(f"your code may not set {name} on the grader's objects")
+            if not _plain(value) or type(value) not in (int, float, bool):
+                raise TypeError(f"{name} must be set to a number")
+            return setattr(target, name, value)
+        if op == "call":
+            args, kwargs = decode(m.get("args")), decode(m.get("kwargs"))
+            if type(args) is not tuple or type(kwargs) is not dict:
+                raise ProtocolError("a call without arguments")
+            if not all(type(k) is str for k in kwargs):
+                raise ProtocolError("keyword names must be strings")
+            if not _plain(args) or not _plain(kwargs):
+                raise TypeError("only plain data (tensors, numbers, lists) can go to the grader")
+            if isinstance(target, types.MethodType) and not _method_allowed(target):
+                raise TypeError("your code may not call this method of the grader's objects")
+            return target(*args, **kwargs)
+        raise ProtocolError(f"unknown operation {op!r}")
+
+    # ending
+
+    def close(self) -> dict:
+        """End the worker and everything it started; what the zygote saw, and its output."""
+        if not self.closed:
+            self.closed = True
+            with contextlib.suppress(OSError):
+                self.sock.close()
+            self.ended = self.zygote.end()
+            shutil.rmtree(self.cwd, ignore_errors=True)
+            self.output.seek(0)
+            self.ended["output"] = self.output.read(PROCESS_OUTPUT_CAP)
+            self.ended["output_bytes"] = os.fstat(self.output.fileno()).st_size
+            self.output.close()
+        return self.ended

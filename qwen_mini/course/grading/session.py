@@ -1,0 +1,339 @@
+"""Grading one notebook: run its code cells in order in a worker, and check each exercise here.
+
+After each cell, the exercises it checked (`check("chNN.x", obj)` records `obj`, however the
+call is written) are graded on that object; an exercise nobody checked is graded at the end on
+the name it defines. The checks run in this process, on a `Remote` stand-in for the learner's
+object: what the learner's code returns crosses as plain data and is compared here.
+
+When a piece fails, whatever the reason (a failed check, an exception, a timeout, a crash), the
+worker's name for it is set to the package's piece, as `use(...)` does in the notebook, so the
+later exercises built on it are graded on their own. After a timeout or a crash a new worker
+runs the cells that ran cleanly again (and those fallbacks), then goes on after the bad cell.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .plan import Reference, Submission
+from .protocol import WrongType
+from .report import Grades
+from .sandbox import BadMessage, Connection, Remote, WorkerFault, WorkerGone, WorkerTimeout, Zygote
+
+
+@dataclass
+class Options:
+    timeout: float = 30.0  # seconds per cell and per exercise's checks
+    budget: float = 600.0  # seconds per notebook, everything included
+    memory_mb: int = 2048
+
+
+class Session:
+    def __init__(self, sub: Submission, ref: Reference, zygote: Zygote, options: Options):
+        self.sub, self.ref, self.zygote, self.options = sub, ref, zygote, options
+        self.grades = Grades(sub.name, {e.id: e.points for e in ref.exercises})
+        self.grades.warnings += sub.warnings
+        self.entries = {e.id: e for e in ref.exercises}
+        self.conn: Connection | None = None
+        self.log: list[tuple] = []  # what a new worker replays: ("cell", i, src) / ("fallback", x)
+        self.graded: set[str] = set()
+        self.end_of_budget = time.monotonic() + options.budget
+        self.fault_note = ""
+
+    # the worker
+
+    def _deadline(self) -> float:
+        return min(time.monotonic() + self.options.timeout, self.end_of_budget)
+
+    def _connect(self) -> Connection:
+        if self.conn is None:
+            conn = self.conn = Connection(self.zygote, self.options.memory_mb, self._use)
+            try:
+                for entry in self.log:  # the state before the failure, without the bad cell
+                    conn.deadline = self._deadline()
+                    if entry[0] == "cell":
+                        conn.request({"op": "cell", "i": entry[1], "src": entry[2]})
+                    else:
+                        conn.request(
+                            {"op": "fallback", "ex": entry[1], "name": self.ref.names[entry[1]]}
+                        )
+            except WorkerFault as fault:
+                self._lost(fault)
+                raise
+        return self.conn
+
+    def _lost(self, fault: WorkerFault) -> str:
+        """End the worker after a fault; a message that says what happened."""
+        ended = self.conn.close() if self.conn else {}
+        self._keep_output(ended)
+        self.conn = None
+        if isinstance(fault, WorkerTimeout):
+            if time.monotonic() >= self.end_of_budget - 0.05:
+                return f"the notebook used up its budget of {self.options.budget:g} s"
+            stopped = " (the process was stopped, not running)" if ended.get("stopped") else ""
+            return f"did not finish within {self.options.timeout:g} s{stopped}"
+        if isinstance(fault, BadMessage):
+            return f"the process running your code broke the grader's channel ({fault})"
+        code = ended.get("exit")
+        if code is not None and code < 0:
+            return f"the process running your code was killed (signal {-code}; too much memory?)"
+        if code is not None:
+            return f"the process running your code exited with code {code} (os._exit?)"
+        return "the process running your code died"
+
+    def _keep_output(self, ended: dict) -> None:
+        if ended.get("output"):
+            text = ended["output"].decode("utf-8", "replace")
+            self.grades.output += text
+        if ended.get("output_bytes", 0) > len(ended.get("output", b"")):
+            self.grades.warnings.append(
+                f"the process wrote {ended['output_bytes']} bytes of output; kept the first "
+                f"{len(ended['output'])}"
+            )
+
+    # running
+
+    def run(self) -> Grades:
+        for cell in self.sub.cells:
+            if time.monotonic() >= self.end_of_budget:
+                self._rest(
+                    "timeout", f"the notebook used up its budget of {self.options.budget:g} s"
+                )
+                break
+            self._cell(cell)
+        for exercise in self.ref.ids:
+            if exercise not in self.graded and time.monotonic() < self.end_of_budget:
+                self._by_name(exercise)
+        self._rest("timeout", f"the notebook used up its budget of {self.options.budget:g} s")
+        if self.conn is not None:
+            self._keep_output(self.conn.close())
+            self.conn = None
+        return self.grades
+
+    def _rest(self, status: str, message: str) -> None:
+        for exercise in self.ref.ids:
+            if exercise not in self.graded and time.monotonic() >= self.end_of_budget:
+                self.grades.set(exercise, status, message)
+                self.graded.add(exercise)
+
+    def _cell(self, cell) -> None:
+        failure, checked = None, []
+        try:
+            conn = self._connect()
+            conn.deadline = self._deadline()
+            result = conn.request({"op": "cell", "i": cell.index, "src": cell.source})
+            checked = self._validate_cell(result)
+            for note in result["notes"]:
+                self.grades.warnings.append(f"cell {cell.index}: {note}")
+            if result["ok"]:
+                self.log.append(("cell", cell.index, cell.source))
+            else:
+                failure = _cell_failure(result)
+        except WorkerFault as fault:
+            failure = (
+                "timeout" if isinstance(fault, WorkerTimeout) else "crashed",
+                self._lost(fault),
+            )
+            failure = (failure[0], f"cell {cell.index}: {failure[1]}")
+        order = list(dict.fromkeys([x for x, _ in checked] + cell.mentions))
+        if failure:
+            self.grades.warnings.append(f"cell {cell.index}: {failure[0]}: {failure[1]}")
+        for exercise in order:
+            if exercise not in self.entries:
+                self.grades.warnings.append(
+                    f"cell {cell.index} checks {exercise!r}, not an exercise; ignored"
+                )
+                continue
+            if exercise in self.graded:
+                self.grades.warnings.append(
+                    f"{exercise} is checked again in cell {cell.index}: graded that copy"
+                )
+            objects = [obj for x, obj in checked if x == exercise]
+            if objects:
+                self._grade(exercise, objects[-1])
+            elif failure:
+                self.grades.set(exercise, failure[0], failure[1])
+                self.graded.add(exercise)
+                self._fall_back(exercise)
+
+    def _validate_cell(self, result) -> list[tuple[str, Remote]]:
+        ok = (
+            type(result) is dict
+            and type(result.get("ok")) is bool
+            and type(result.get("notes")) is list
+            and all(type(n) is str for n in result["notes"])
+            and type(result.get("checked")) is list
+            and all(
+                type(c) is list and len(c) == 2 and type(c[0]) is str and type(c[1]) is Remote
+                for c in result["checked"]
+            )
+        )
+        if ok and not result["ok"]:
+            ok = (
+                result.get("kind") in ("not-implemented", "exit", "memory", "error")
+                and type(result.get("error")) is str
+            )
+        if not ok:
+            raise BadMessage("a malformed answer to a cell")
+        return [(x, obj) for x, obj in result["checked"]]
+
+    def _by_name(self, exercise: str) -> None:
+        name = self.ref.names[exercise]
+        try:
+            conn = self._connect()
+            conn.deadline = self._deadline()
+            obj = conn.request({"op": "lookup", "name": name})
+        except NameError:
+            self.grades.set(
+                exercise,
+                "missing",
+                f'no cell calls check("{exercise}", …) and no `{name}` is defined',
+            )
+            self.graded.add(exercise)
+            self._fall_back(exercise)
+            return
+        except WorkerFault as fault:
+            status = "timeout" if isinstance(fault, WorkerTimeout) else "crashed"
+            self.grades.set(exercise, status, self._lost(fault))
+            self.graded.add(exercise)
+            return
+        except Exception as e:
+            self.grades.set(exercise, "crashed", f"could not find `{name}`: {e}")
+            self.graded.add(exercise)
+            return
+        if type(obj) is not Remote:
+            self.grades.set(exercise, "failed", f"`{name}` is plain data, not a function or class")
+            self.graded.add(exercise)
+            return
+        self.grades.warnings.append(f"{exercise}: no cell calls check(); graded `{name}`")
+        self._grade(exercise, obj)
+
+    # grading one exercise
+
+    def _grade(self, exercise: str, obj: Remote) -> None:
+        self.graded.add(exercise)
+        for earlier in self.ref.ids[: self.ref.ids.index(exercise)]:
+            if earlier not in self.graded:  # graded now on its name, or the package's piece
+                self._by_name(earlier)
+        started = time.monotonic()
+        try:
+            status, message = self._check(exercise, obj)
+        except WorkerFault as fault:
+            status = "timeout" if isinstance(fault, WorkerTimeout) else "crashed"
+            message = self._lost(fault)
+        self.grades.set(exercise, status, message, runtime_s=round(time.monotonic() - started, 3))
+        if status != "passed":
+            self._fall_back(exercise)
+
+    def _check(self, exercise: str, obj: Remote) -> tuple[str, str]:
+        conn = self.conn
+        conn.deadline = self._deadline()
+        conn.codec.mirrors.clear()
+        begin = conn.request({"op": "begin", "ex": exercise})
+        if type(begin) is not dict or not all(
+            type(begin.get(k)) is str for k in ("tampered", "helpers")
+        ):
+            raise BadMessage("a malformed answer to begin")
+        status, message = self._run_checks(exercise, obj)
+        end = conn.request({"op": "end"})
+        if type(end) is not dict or not all(
+            type(end.get(k)) is str for k in ("reference", "tampered")
+        ):
+            raise BadMessage("a malformed answer to end")
+        name = self.ref.names[exercise]
+        if end["reference"]:
+            return "reference", (
+                f"your `{name}` runs the package's own {exercise} ({end['reference'][:200]}); "
+                "an exercise must be your own code (calling earlier pieces is fine)"
+            )
+        tampered = begin["tampered"] or end["tampered"]
+        if tampered:
+            return "tampered", (
+                f"your code replaced `{tampered[:200]}`; an exercise must not change torch, the "
+                "builtins or qwen_mini"
+            )
+        if begin["helpers"]:
+            return "tampered", (
+                f"{begin['helpers'][:200]} started by your code was still running when {exercise} "
+                "was checked; stop background threads and processes first"
+            )
+        return status, message
+
+    def _run_checks(self, exercise: str, obj, hidden: bool = True) -> tuple[str, str]:
+        """Every public, then every hidden check; the first failure decides. Hidden checks
+        report their name (their category), never their inputs."""
+        entry = self.entries[exercise]
+        checks = [(n, f, False) for n, f in entry.public]
+        if hidden:
+            checks += [(n, f, True) for n, f in entry.hidden]
+        for name, fn, is_hidden in checks:
+            try:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(0)
+                    fn(obj)
+            except NotImplementedError:
+                return "failed", "not implemented yet"
+            except MemoryError:
+                return "crashed", f"used more than the {self.options.memory_mb} MB memory limit"
+            except WrongType as e:
+                return "failed", f"{name} failed: {e}"
+            except AssertionError as e:
+                if is_hidden:
+                    return "failed", f"a hidden check failed: {name}"
+                return "failed", f"{name} failed: {e}"
+            except Exception as e:
+                what = f"your code raised {type(e).__name__}"
+                if is_hidden:
+                    return "failed", f"a hidden check failed: {name} ({what})"
+                return "failed", f"{name} failed: {what}: {str(e)[:500]}"
+        return "passed", f"passed {len(checks)}/{len(checks)} checks"
+
+    def _use(self, exercise: str, obj) -> bool:
+        """The learner's `use(...)`: does `obj` pass the exercise's public checks?"""
+        if exercise not in self.entries or type(obj) is not Remote:
+            return False
+        status, _ = self._run_checks(exercise, obj, hidden=False)
+        return status == "passed"
+
+    def _fall_back(self, exercise: str) -> None:
+        self.log.append(("fallback", exercise))
+        if self.conn is None:
+            return  # the next worker replays the log, fallbacks included
+        try:
+            self.conn.deadline = self._deadline()
+            self.conn.request({"op": "fallback", "ex": exercise, "name": self.ref.names[exercise]})
+        except WorkerFault as fault:
+            self._lost(fault)
+
+
+def _cell_failure(result: dict) -> tuple[str, str]:
+    kind, error = result["kind"], result["error"][:1000]
+    if kind == "not-implemented":
+        return "failed", f"not implemented yet (your cell {error})"
+    if kind == "memory":
+        return "crashed", f"your cell used more than the memory limit: {error}"
+    return "crashed", f"your cell {error}"
+
+
+def grade_notebook(sub: Submission, ref: Reference, zygote: Zygote, options: Options) -> Grades:
+    if sub.error:
+        grades = Grades(sub.name, {e.id: e.points for e in ref.exercises})
+        grades.error = f"{sub.name}: {sub.error}"
+        for exercise in ref.ids:
+            grades.set(exercise, "unreadable", f"the notebook {sub.error}")
+        return grades
+    try:
+        return Session(sub, ref, zygote, options).run()
+    except WorkerFault as fault:  # could not even start a worker for it
+        grades = Grades(sub.name, {e.id: e.points for e in ref.exercises})
+        for exercise in ref.ids:
+            grades.set(
+                exercise, "crashed", f"the grading process could not start ({type(fault).__name__})"
+            )
+        return grades
+
+
+__all__ = ["Options", "grade_notebook", "WorkerGone"]

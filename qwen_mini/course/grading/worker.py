@@ -1,0 +1,516 @@
+"""What runs on the sandbox side: the zygote, and in each forked worker the learner's cells.
+
+The zygote (`python -I`, trusted, started once per grading slot) imports torch, IPython's cell
+transformer and the chapter's checks, notes what every exercise's reference is made of, then
+forks one worker per submission. A worker drops to an unprivileged user of its own (when the
+grader runs as root), sets its limits, and then obeys the grader: run cell N, look up a name,
+call a method of an object of its own, report whether an exercise's reference ran. It never
+compares anything: the checks run in the grader, on values this process sends as plain data.
+
+When a submission is done, the zygote kills every process it left behind: the worker's session,
+every process of its user id, and every orphan reparented to the zygote (a child subreaper), so
+`setsid` and double forks do not escape.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import ctypes
+import io
+import json
+import os
+import resource
+import signal
+import socket
+import sys
+import time
+import traceback
+
+from . import protocol
+from .monitor import Monitor, Snapshot, changed
+from .protocol import Codec, Handle, ProtocolError
+
+FILE_SIZE_LIMIT = 64 * 2**20  # bytes: a submission may write files, but not fill the disk
+PROCESS_LIMIT = 64  # processes of a submission's user (fork bombs)
+PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG = 36, 1
+_DROPPED = False  # this process runs as a user id of its own
+
+
+# --- the worker ----------------------------------------------------------------------------------
+
+
+class _Shell:
+    """Just enough of IPython's `get_ipython()` for a cell with magics to run headless."""
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+
+    def run_line_magic(self, name, line, *args, **kwargs):
+        self.worker.notes.append(f"skipped the magic %{name}")
+
+    def run_cell_magic(self, name, line, cell, *args, **kwargs):
+        if name in ("time", "timeit", "capture"):  # these run their body as Python
+            self.worker.exec_source(cell, f"<cell {self.worker.cell} %%{name}>")
+        else:
+            self.worker.notes.append(f"skipped the cell magic %%{name}")
+
+    def system(self, cmd, *args, **kwargs):
+        self.worker.notes.append(f"skipped the shell command !{cmd}")
+
+    def getoutput(self, cmd, *args, **kwargs):
+        self.worker.notes.append(f"skipped the shell command !{cmd}")
+        return []
+
+
+class ParentObject:
+    """An object of the grader's (a reference KV cache a check passes in): public attributes and
+    calls go back to the grader."""
+
+    __slots__ = ("_worker", "_h", "_type")
+
+    def __init__(self, worker, h, type_name):
+        object.__setattr__(self, "_worker", worker)
+        object.__setattr__(self, "_h", h)
+        object.__setattr__(self, "_type", type_name)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return self._worker.ask({"op": "getattr", "h": self._h, "name": name})
+
+    def __setattr__(self, name, value):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        self._worker.ask({"op": "setattr", "h": self._h, "name": name, "value": value})
+
+    def __call__(self, *args, **kwargs):
+        return self._worker.ask({"op": "call", "h": self._h, "args": args, "kwargs": kwargs})
+
+    def __repr__(self):
+        return f"<grader's {self._type}>"
+
+
+class Worker:
+    def __init__(self, sock: socket.socket, snapshot: Snapshot):
+        from IPython.core.inputtransformer2 import TransformerManager
+
+        self.sock, self.snap = sock, snapshot
+        self.transform = TransformerManager().transform_cell
+        self.codec = Codec("w", lambda h, t: ParentObject(self, h, t))
+        self.monitor = Monitor(snapshot)
+        self.namespace = {"__name__": "__main__", "__builtins__": builtins}
+        self.namespace["get_ipython"] = lambda: _Shell(self)
+        self.notes: list[str] = []
+        self.checked: list[tuple[str, object]] = []
+        self.cell = -1
+        self.request_id = 0
+
+    # the learner's check() and use(): grading happens in the grader
+
+    def check(self, exercise_id, obj=None, *args, **kwargs):
+        self.checked.append((str(exercise_id), obj))
+
+    def use(self, exercise_id, obj=None, *args, **kwargs):
+        exercise_id = str(exercise_id)
+        if exercise_id not in self.snap.references:
+            raise KeyError(f"unknown exercise {exercise_id!r}")
+        if obj is self.snap.references[exercise_id]:
+            return obj
+        ok = self.ask({"op": "use", "ex": exercise_id, "obj": obj})
+        return obj if ok is True else self.snap.references[exercise_id]
+
+    # channel
+
+    def ask(self, message: dict):
+        """Send a request to the grader and serve its requests until the answer comes."""
+        self.request_id += 1
+        message = dict(message, id=self.request_id)
+        for key in ("args", "kwargs", "value", "obj"):
+            if key in message:
+                message[key] = self.codec.encode(message[key])
+        protocol.send(self.sock, message)
+        return self.serve(until=self.request_id)
+
+    def serve(self, until=None):
+        while True:
+            message = protocol.receive(self.sock)
+            if "op" not in message:
+                if message.get("id") != until:
+                    raise ProtocolError("an answer to a question not asked")
+                if "raise" in message:
+                    raise _exception(message["raise"])
+                return self.codec.decode(message.get("re"))
+            self.answer(message)
+            if message["op"] == "quit":
+                return None
+
+    def answer(self, message: dict) -> None:
+        try:
+            result = {"re": self.codec.encode(self.do(message))}
+        except ProtocolError:
+            raise
+        except BaseException as e:  # the learner's exception, sent as a description
+            result = {"raise": {"type": _type_name(e), "msg": _text(e)}}
+        protocol.send(self.sock, dict(result, id=message.get("id")))
+
+    def do(self, m: dict):
+        import torch
+
+        op, lookup, decode = m["op"], self.codec.lookup, self.codec.decode
+        for h, value in m.get("sync", []):
+            with torch.no_grad():
+                lookup(h).copy_(decode(value))
+        with torch.set_grad_enabled(m.get("grad", True) is True):
+            if op == "cell":
+                return self.run_cell(m["i"], m["src"])
+            if op == "lookup":
+                name = m["name"]
+                if name not in self.namespace:
+                    raise NameError(f"name {name!r} is not defined")
+                return Handle(self.namespace[name])
+            if op == "handle":
+                return Handle(lookup(m["h"]))
+            if op == "fallback":
+                self.namespace[m["name"]] = self.snap.references[m["ex"]]
+                return None
+            if op == "begin":
+                return self.begin(m["ex"])
+            if op == "end":
+                hit = self.monitor.stop()
+                return {"reference": hit, "tampered": changed(self.snap.names)}
+            if op == "quit":
+                return None
+            target = lookup(m["h"])
+            if op == "call":
+                return target(*decode(m["args"]), **decode(m["kwargs"]))
+            if op == "getattr":
+                return getattr(target, m["name"])
+            if op == "setattr":
+                return setattr(target, m["name"], decode(m["value"]))
+            if op == "getitem":
+                return target[decode(m["key"])]
+            if op == "setitem":
+                target[decode(m["key"])] = decode(m["value"])
+                return None
+            if op == "len":
+                return len(target)
+            if op == "iter":
+                return Handle(iter(target))
+            if op == "next":
+                return next(target)
+        raise ProtocolError(f"unknown operation {op!r}")
+
+    def begin(self, exercise: str) -> dict:
+        if exercise not in self.snap.references:
+            raise ProtocolError(f"unknown exercise {exercise!r}")
+        helpers = _helpers_alive()
+        self.monitor.start(exercise)
+        return {"tampered": changed(self.snap.names), "helpers": helpers}
+
+    # cells
+
+    def exec_source(self, text: str, name: str) -> None:
+        code = compile(self.transform(text), name, "exec")
+        self.monitor.add_cell(code)
+        exec(code, self.namespace)
+
+    def run_cell(self, index: int, text: str) -> dict:
+        self.cell, self.notes, self.checked = index, [], []
+        result = {"ok": True}
+        try:
+            self.exec_source(text, f"<cell {index}>")
+        except BaseException as e:
+            result = {"ok": False, "kind": _kind(e), "error": _describe(e, f"<cell {index}>")}
+        sys.stdout.flush()
+        sys.stderr.flush()
+        result["notes"] = self.notes
+        result["checked"] = [[x, Handle(obj)] for x, obj in self.checked]
+        return result
+
+
+def _type_name(obj) -> str:
+    t = obj if isinstance(obj, type) else type(obj)
+    return str(getattr(t, "__name__", "object"))[:100]
+
+
+def _text(e: BaseException, limit: int = 2000) -> str:
+    try:
+        text = str(e)
+    except BaseException:
+        text = "(an exception whose message could not be read)"
+    return text[:limit]
+
+
+def _exception(info) -> BaseException:
+    if type(info) is not dict:
+        raise ProtocolError("a malformed exception")
+    name, text = str(info.get("type")), str(info.get("msg"))
+    cls = getattr(builtins, name, None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        return cls(text)
+    return RuntimeError(f"{name}: {text}")
+
+
+def _kind(e: BaseException) -> str:
+    if isinstance(e, NotImplementedError):
+        return "not-implemented"
+    if isinstance(e, (SystemExit, KeyboardInterrupt)):
+        return "exit"
+    text = _text(e).lower()
+    if isinstance(e, MemoryError) or "can't allocate memory" in text or "out of memory" in text:
+        return "memory"
+    return "error"
+
+
+def _describe(e: BaseException, filename: str) -> str:
+    if isinstance(e, SystemExit):
+        return f"called sys.exit({_text(e)}); a notebook must not exit"
+    lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == filename]
+    at = f" (line {lines[-1]} of the cell)" if lines else ""
+    return f"raised {type(e).__name__}: {_text(e, 500)}{at}"
+
+
+def _helpers_alive() -> str:
+    """Threads or processes the submission started that still run (they would escape the
+    monitor while an exercise is checked)."""
+    me, uid = os.getpid(), os.getuid()
+    if not _DROPPED:
+        return ""
+    for pid in _pids():
+        if pid != me and _uid_of(pid) == uid:
+            return f"process {pid}"
+    return ""
+
+
+# --- processes -----------------------------------------------------------------------------------
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _uid_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _state_of(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return ""
+
+
+def _descendants(root: int) -> set[int]:
+    parents = {pid: _parent_of(pid) for pid in _pids()}
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier and p not in found}
+        found |= frontier
+    return found
+
+
+def sweep(uid: int | None) -> None:
+    """Kill every descendant of this process (orphans are reparented here: a subreaper) and
+    every process of `uid`, until none is left; reap them."""
+    me = os.getpid()
+    for _ in range(200):
+        victims = _descendants(me)
+        if uid is not None:
+            victims |= {p for p in _pids() if _uid_of(p) == uid}
+        victims.discard(me)
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        _reap()
+        if not victims:
+            return
+        time.sleep(0.01)
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _prctl(option: int, value: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: no subreaper; the process group and the user id still apply
+
+
+def _limit(memory_mb: int, uid: int | None) -> None:
+    try:
+        with open("/proc/self/status") as f:
+            size_kb = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+    except (OSError, StopIteration):
+        size_kb = 0
+    limit = size_kb * 1024 + memory_mb * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write fails instead of killing
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if uid is not None:  # counts the processes of this user id, which is the submission's own
+        resource.setrlimit(resource.RLIMIT_NPROC, (PROCESS_LIMIT, PROCESS_LIMIT))
+
+
+def _become(job: dict) -> None:
+    """In the forked child: a session of its own, limits, the submission's user, its folder."""
+    os.setsid()
+    uid = job.get("uid")
+    _limit(job["memory_mb"], uid)
+    held = {}
+    if uid is not None:  # folders on sys.path the new user could not enter (a Python under /root)
+        for entry in sys.path:
+            with contextlib.suppress(OSError):
+                held[entry] = os.open(entry, os.O_RDONLY | os.O_DIRECTORY)
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+        global _DROPPED
+        _DROPPED = True
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote gone: nothing left to answer to
+    os.chdir(job["cwd"])
+    os.environ.update(HOME=job["cwd"], TMPDIR=job["cwd"], QWEN_MINI_CHECKS="learner")
+    sys.dont_write_bytecode = True
+    if uid is not None:
+        path, moved = [], {}
+        for entry, fd in held.items():
+            if not os.access(entry, os.R_OK | os.X_OK):
+                moved[entry] = f"/proc/self/fd/{fd}"  # opened before the switch: readable
+                entry = moved[entry]
+            else:
+                os.close(fd)
+            if not os.access(entry, os.W_OK):  # nothing importable from a folder it can write
+                path.append(entry)
+        sys.path[:] = path
+        sys.path_importer_cache.clear()
+        _repoint_packages(moved)
+    sys.stdout = io.TextIOWrapper(
+        io.FileIO(1, "w", closefd=False), errors="backslashreplace", line_buffering=True
+    )
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), errors="backslashreplace", line_buffering=True
+    )
+
+
+def _repoint_packages(moved: dict[str, str]) -> None:
+    """Packages imported before the switch (importlib, email...) find their submodules through
+    `__path__`: point it at the readable copies of the folders too."""
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__path__", None)
+        if not isinstance(path, list):
+            continue
+        for i, folder in enumerate(path):
+            for old, new in moved.items():
+                if isinstance(folder, str) and (folder == old or folder.startswith(old + os.sep)):
+                    path[i] = new + folder[len(old) :]
+                    break
+
+
+def _worker_main(job: dict, sock: socket.socket, output: int, snapshot: Snapshot) -> None:
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    os.close(output)
+    _become(job)
+    import qwen_mini.course as course
+    from qwen_mini.course import checking
+
+    worker = Worker(sock, snapshot)
+    course.check = checking.check = worker.check
+    course.use = checking.use = worker.use
+    worker.monitor.watch_threads()
+    sys.addaudithook(worker.monitor.audit)
+    try:
+        protocol.send(sock, {"ready": True})
+        worker.serve()
+    except (EOFError, OSError, ProtocolError):
+        pass
+
+
+# --- the zygote ----------------------------------------------------------------------------------
+
+
+def serve_zygote(sock_fd: int, chapter: str) -> None:
+    sock = socket.socket(fileno=sock_fd)
+    try:
+        import torch
+        import torch._dynamo  # noqa: F401  (imported once here, so that importing it is no change)
+        from IPython.core.inputtransformer2 import TransformerManager  # noqa: F401
+
+        from ..checking import exercises
+
+        torch.set_num_threads(1)
+        os.environ.setdefault("MPLBACKEND", "Agg")
+        with contextlib.suppress(ImportError):  # once here, not once per notebook (and its fonts)
+            import matplotlib.pyplot as plt
+
+            plt.figure()
+            plt.close("all")
+        found = exercises(chapter)
+        snapshot = Snapshot(found)
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        protocol.send(sock, {"ready": True, "exercises": [e.id for e in found]})
+    except BaseException:
+        protocol.send(sock, {"ready": False, "error": traceback.format_exc()})
+        return
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(sock, 65536, 2)
+        except OSError:
+            return
+        if not message:
+            return
+        job = json.loads(message)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                sock.close()
+                _worker_main(job, socket.socket(fileno=fds[0]), fds[1], snapshot)
+            finally:
+                os._exit(0)
+        for fd in fds:
+            os.close(fd)
+        protocol.send(sock, {"pid": pid})
+        try:
+            protocol.receive(sock)  # {"end": ...}: the grader is done with this submission
+        except (EOFError, OSError, ProtocolError):
+            sweep(job.get("uid"))
+            return
+        stopped = _state_of(pid) == "T"
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        code = None
+        try:
+            _, status = os.waitpid(pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+        except ChildProcessError:
+            pass
+        sweep(job.get("uid"))
+        protocol.send(sock, {"exit": code, "stopped": stopped})

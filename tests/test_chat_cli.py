@@ -1,0 +1,90 @@
+"""`qwen-mini chat` in a pseudo-terminal: two turns on the offline stand-in, the thinking shown
+apart from the answer, and a clean exit on Ctrl-D and on Ctrl-C."""
+
+import os
+import pty
+import re
+import select
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "you>"
+
+
+def _spawn(*args):
+    env = {k: v for k, v in os.environ.items() if k != "QWEN_MINI_WEIGHTS"}
+    env.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE="/tmp/qwen-mini-empty-hf", PYTHONPATH=str(ROOT),
+               TERM="xterm")  # fmt: skip
+    code = "import sys; from qwen_mini.cli import main; sys.exit(main())"
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the pty is its controlling terminal, so Ctrl-C sends SIGINT
+        os.execve(sys.executable, [sys.executable, "-c", code, "chat", *args], env)
+    return pid, fd
+
+
+def _read_until(fd, pattern, out, timeout=240):
+    """Read the terminal until `pattern` has appeared once more; return all output so far."""
+    wanted = out.count(pattern) + 1
+    deadline = time.monotonic() + timeout
+    while out.count(pattern) < wanted:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {pattern!r} within {timeout} s; output so far:\n{out}")
+        ready, _, _ = select.select([fd], [], [], 1)
+        if ready:
+            try:
+                out += os.read(fd, 4096).decode("utf-8", "replace")
+            except OSError:  # the child has gone
+                raise AssertionError(f"the chat exited early; output:\n{out}") from None
+    return out
+
+
+def _exit_status(pid, fd, out, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status), out
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if ready:
+            try:
+                out += os.read(fd, 4096).decode("utf-8", "replace")
+            except OSError:
+                pass
+    os.kill(pid, 9)
+    raise AssertionError(f"the chat did not exit; output:\n{out}")
+
+
+@pytest.mark.parametrize("leave", ["\x04", "\x03"], ids=["ctrl-d", "ctrl-c"])
+def test_two_turns_thinking_shown_clean_exit(leave):
+    pid, fd = _spawn("Qwen/Qwen3-0.6B", "--think", "--budget", "3", "--max-new-tokens", "10",
+                     "--seed", "0")  # fmt: skip
+    out = _read_until(fd, PROMPT, "")
+    assert "STAND-IN" in out  # no weights here: the random stand-in, and it says so
+    for line in ["What is 2+2?", "And 3+3?"]:
+        os.write(fd, (line + "\n").encode())
+        out = _read_until(fd, PROMPT, out)
+    os.write(fd, leave.encode())
+    code, out = _exit_status(pid, fd, out)
+    os.close(fd)
+    assert code == 0, out
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", out)
+    assert plain.count("[thinking] ") == 2
+    # the budget of 3 tokens is spent, so the instruction to stop thinking appears
+    assert plain.count("Considering the limited time") == 2
+    assert "\x1b[2m[thinking]" in out  # thinking is dimmed, apart from the answer
+    stats = re.findall(r"(\d+) tokens, (\d+) thinking; ([\d.]+) tokens/s; prompt (\d+) tokens, "
+                       r"(\d+) reused", plain)  # fmt: skip
+    assert len(stats) == 2
+    assert int(stats[0][4]) == 0 and int(stats[1][4]) > 0  # the second turn reuses the cache
+    assert "Traceback" not in out
+
+
+def test_budget_without_thinking_is_refused(capsys):
+    from qwen_mini.cli import main
+
+    assert main(["chat", "Qwen/Qwen3-0.6B", "--no-think", "--budget", "3"]) == 1
+    assert "--budget" in capsys.readouterr().err
