@@ -215,14 +215,12 @@ def distinct_weights(logits: torch.Tensor, dtype: torch.dtype) -> int:
     return int(torch.unique(w[w > 0]).numel())
 
 
-def remove_qk_norm(model: nn.Module) -> int:
-    """Take QK-Norm out of every attention layer of `model` (in place; every other weight stays as
-    it is) and return how many norm modules were removed."""
+def remove_qk_norm(attentions: list[nn.Module]) -> int:
+    """Take QK-Norm out of each attention layer in the list (in place; every other weight stays
+    as it is) and return how many norm modules were removed."""
     removed = 0
-    for layer in model.model.layers:
-        attn = layer.self_attn
+    for attn in attentions:
         if attn.q_norm is not None:
             attn.q_norm = attn.k_norm = None  # the forward skips the norm when it is None
             removed += 2
-    model.config.qk_norm = False
     return removed

@@ -52,6 +52,11 @@ CHEATS = {
         "import qwen_mini.attention\n\n\nclass Attention(qwen_mini.attention.Attention):\n"
         '    pass\n\n\ncheck("ch01.Attention", Attention)',
     ),
+    2: (
+        "17187467",
+        "ch02.project_qk",
+        'from qwen_mini.qk_norm import project_qk\n\ncheck("ch02.project_qk", project_qk)',
+    ),
     4: (
         "c4000011",
         "ch04.render_turn",

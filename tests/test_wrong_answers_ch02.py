@@ -131,26 +131,22 @@ def distinct_counts_zeros(logits, dtype):
 # --- remove_qk_norm ------------------------------------------------------------------------------
 
 
-def remove_by_unit_weight(model):
+def remove_by_unit_weight(attentions):
     n = 0
-    for layer in model.model.layers:
-        attn = layer.self_attn
+    for attn in attentions:
         if attn.q_norm is not None:
             with torch.no_grad():
                 attn.q_norm.weight.fill_(1.0)
                 attn.k_norm.weight.fill_(1.0)
             n += 2
-    model.config.qk_norm = False
     return n
 
 
-def remove_first_layer_only(model):
-    attn = model.model.layers[0].self_attn
-    if attn.q_norm is None:
+def remove_first_layer_only(attentions):
+    if attentions[0].q_norm is None:
         return 0
-    attn.q_norm = attn.k_norm = None
-    model.config.qk_norm = False
-    return 2 * len(model.model.layers)
+    attentions[0].q_norm = attentions[0].k_norm = None
+    return 2 * len(attentions)
 
 
 WRONG = [
