@@ -215,12 +215,8 @@ def distinct_weights(logits: torch.Tensor, dtype: torch.dtype) -> int:
     return int(torch.unique(w[w > 0]).numel())
 
 
-def remove_qk_norm(attentions: list[nn.Module]) -> int:
-    """Take QK-Norm out of each attention layer in the list (in place; every other weight stays
-    as it is) and return how many norm modules were removed."""
-    removed = 0
-    for attn in attentions:
-        if attn.q_norm is not None:
-            attn.q_norm = attn.k_norm = None  # the forward skips the norm when it is None
-            removed += 2
-    return removed
+def remove_qk_norm(state_dict: dict) -> dict:
+    """A checkpoint's state dict with QK-Norm taken out: a new dict without any attention layer's
+    `q_norm` / `k_norm` weight, every other entry as it was."""
+    norms = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+    return {name: w for name, w in state_dict.items() if not name.endswith(norms)}

@@ -131,22 +131,18 @@ def distinct_counts_zeros(logits, dtype):
 # --- remove_qk_norm ------------------------------------------------------------------------------
 
 
-def remove_by_unit_weight(attentions):
-    n = 0
-    for attn in attentions:
-        if attn.q_norm is not None:
-            with torch.no_grad():
-                attn.q_norm.weight.fill_(1.0)
-                attn.k_norm.weight.fill_(1.0)
-            n += 2
-    return n
+def remove_by_unit_weight(state_dict):
+    return {k: torch.ones_like(w) if "_norm" in k else w for k, w in state_dict.items()}
 
 
-def remove_first_layer_only(attentions):
-    if attentions[0].q_norm is None:
-        return 0
-    attentions[0].q_norm = attentions[0].k_norm = None
-    return 2 * len(attentions)
+def remove_first_layer_only(state_dict):
+    return {
+        k: w for k, w in state_dict.items() if "layers.0.self_attn." not in k or "_norm" not in k
+    }
+
+
+def remove_every_norm(state_dict):
+    return {k: w for k, w in state_dict.items() if "norm" not in k}
 
 
 WRONG = [
@@ -169,6 +165,7 @@ WRONG = [
     ("ch02.distinct_weights", distinct_counts_zeros, "nonzero"),
     ("ch02.remove_qk_norm", remove_by_unit_weight, "no normalisation at all"),
     ("ch02.remove_qk_norm", remove_first_layer_only, "every layer"),
+    ("ch02.remove_qk_norm", remove_every_norm, "keep every tensor"),
 ]
 
 

@@ -26,7 +26,7 @@ from qwen_mini.course.checking import (
     register,
     seeded,
 )
-from qwen_mini.foundations import RMSNorm, apply_rope, rope_cos_sin
+from qwen_mini.foundations import apply_rope, rope_cos_sin
 from qwen_mini.model import CausalLM
 
 register(
@@ -484,39 +484,46 @@ def _tiny_lm(qk: bool, layers=2, seed=0) -> CausalLM:
 
 def _check_remove(fn, layers, seed):
     model = _tiny_lm(True, layers, seed)
-    before = {k: v.clone() for k, v in model.state_dict().items() if "_norm" not in k}
+    given = dict(model.state_dict())
+    n_given = len(given)
+    got = fn(given)
+    if not isinstance(got, dict):
+        raise AssertionError(f"expected a dict (a new state dict), got {type(got).__name__}")
+    expect_equal(
+        "entries of the state dict you were given (leave it unchanged)", len(given), n_given
+    )
+    norms = [k for k in got if k.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight"))]
+    if norms and len(norms) == 2 * layers:
+        ones = all(bool((got[k] == 1).all()) for k in norms)
+        raise AssertionError(
+            (
+                "the norm weights are set to 1, but "
+                if ones
+                else "the norm weights are still there: "
+            )
+            + "a norm with weight 1 still divides each head by its RMS; removing QK-Norm means no "
+            "normalisation at all: drop the q_norm and k_norm weights"
+        )
+    if norms:
+        raise AssertionError(f"{norms[0]} is still there: remove QK-Norm from every layer")
     plain = CausalLM(ref.tiny_config(False, hidden=32, layers=layers, heads=2)).eval()
-    plain.load_state_dict(before)  # the same weights, built without QK-Norm
+    missing = sorted(set(plain.state_dict()) - set(got))
+    if missing:
+        raise AssertionError(f"{missing[0]} is missing: keep every tensor that is not a QK-Norm")
+    for k in plain.state_dict():
+        expect_equal(f"{k} (unchanged)", got[k], given[k])
+    plain.load_state_dict(got)
     ids = torch.randint(0, 256, (1, 12), generator=seeded(seed + 1))
-    got = fn([layer.self_attn for layer in model.model.layers])
-    expect_equal("returned count (a q_norm and a k_norm per layer)", got, 2 * layers)
-    with torch.no_grad():
-        out, want = model(ids), plain(ids)
-        if not torch.allclose(out, want, atol=1e-4, rtol=1e-4):
-            kept = [
-                i
-                for i, layer in enumerate(model.model.layers)
-                if isinstance(getattr(layer.self_attn, "q_norm", None), RMSNorm)
-            ]
-            if kept and len(kept) == layers:
-                raise AssertionError(
-                    "the norms are still there: a norm with weight 1 still divides each head by "
-                    "its RMS; removing QK-Norm means no normalisation at all (q_norm = None)"
-                )
-            if kept:
-                raise AssertionError(
-                    f"layers {kept} still have QK-Norm: remove it from every layer"
-                )
+    with torch.no_grad():  # independent: the same weights with the norms skipped at run time
+        for layer in model.model.layers:
+            layer.self_attn.q_norm = layer.self_attn.k_norm = None
         expect_close(
-            "logits = those of the same weights built without QK-Norm",
-            out,
-            want,
+            "logits of a model without QK-Norm loading your dict",
+            plain(ids),
+            model(ids),
             atol=1e-4,
             rtol=1e-4,
         )
-    for k, v in model.state_dict().items():
-        if k in before:
-            expect_equal(f"{k} unchanged", v, before[k])
 
 
 @public("ch02.remove_qk_norm")
@@ -526,13 +533,10 @@ def _(remove_qk_norm):
 
 @public("ch02.remove_qk_norm")
 def _(remove_qk_norm):
-    """a model without QK-Norm (Qwen2-like) is left alone"""
-    model = _tiny_lm(False)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    attentions = [layer.self_attn for layer in model.model.layers]
-    expect_equal("removed from a model without QK-Norm", remove_qk_norm(attentions), 0)
-    for k, v in model.state_dict().items():
-        expect_equal(f"{k} unchanged", v, before[k])
+    """a model without QK-Norm (Qwen2-like): every tensor kept"""
+    given = dict(_tiny_lm(False).state_dict())
+    got = remove_qk_norm(dict(given))
+    expect_equal("keys kept from a model without QK-Norm", sorted(got), sorted(given))
 
 
 @hidden("ch02.remove_qk_norm")
