@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # The CPU build of PyTorch; a plain `pip install torch` can pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: lab test build bench clean
+.PHONY: lab test test-browser build bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,16 @@ test: $(VENV)/.dev
 	mkdir -p $(VENV)/empty-hf-cache
 	$(NB_ENV) QWEN_MINI_CHECKS=solutions $(BIN)/python -m pytest --nbval-lax solutions
 	$(NB_ENV) QWEN_MINI_CHECKS=course $(BIN)/python -m pytest --nbval-lax course
+
+# Optional third command: chapter 2 in JupyterLab in headless Chromium (Debian's package, driven
+# by Playwright's Python package; no browser download). Installs what it needs.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+test-browser: $(VENV)/.dev
+	command -v chromium >/dev/null || ($(SUDO) apt-get update && $(SUDO) apt-get install -y chromium)
+	$(BIN)/pip install -e ".[browser]"
+	mkdir -p $(VENV)/empty-hf-cache
+	$(NB_ENV) $(BIN)/python -m pytest -s tests/browser/browser_ch02.py
 
 build: $(VENV)/.dev
 	$(BIN)/python -m qwen_mini.course.build

@@ -15,7 +15,9 @@ from torch import nn
 
 from .attention import Attention
 from .config import Config
+from .deltanet import GatedAttention, GatedDeltaNet, ZeroCentredRMSNorm
 from .foundations import MLP, RMSNorm
+from .moe import qwen3_moe_mlp
 
 # the checkpoint's name for a layer's mixer, by the layer type config.json gives it
 MIXER_ATTRIBUTE = {"full_attention": "self_attn", "linear_attention": "linear_attn"}
@@ -40,4 +42,26 @@ class Architecture:
 ARCHITECTURES: dict[str, Architecture] = {
     "qwen2": Architecture(mixers={"full_attention": Attention}, mlp=dense_mlp, qkv_bias=True),
     "qwen3": Architecture(mixers={"full_attention": Attention}, mlp=dense_mlp, qk_norm=True),
+    # Qwen3 with a mixture of experts in the feed-forward of the layers config.json names
+    "qwen3_moe": Architecture(
+        mixers={"full_attention": Attention}, mlp=qwen3_moe_mlp, qk_norm=True
+    ),
+    # Qwen3.5 (chapter 5): 3 Gated DeltaNet layers to 1 gated attention layer, zero-centred
+    # norms. qwen3_5 is the multimodal checkpoint (Qwen3_5ForConditionalGeneration), whose text
+    # model sits under model.language_model.; qwen3_5_text is the text-only Qwen3_5ForCausalLM.
+    "qwen3_5": Architecture(
+        mixers={"full_attention": GatedAttention, "linear_attention": GatedDeltaNet},
+        mlp=dense_mlp,
+        norm=ZeroCentredRMSNorm,
+        qk_norm=True,
+        checkpoint_prefix="model.language_model.",
+        ignored_prefixes=("model.visual.", "mtp."),  # the vision tower, multi-token prediction
+    ),
+    "qwen3_5_text": Architecture(
+        mixers={"full_attention": GatedAttention, "linear_attention": GatedDeltaNet},
+        mlp=dense_mlp,
+        norm=ZeroCentredRMSNorm,
+        qk_norm=True,
+        ignored_prefixes=("mtp.",),
+    ),
 }

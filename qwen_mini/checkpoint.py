@@ -205,7 +205,19 @@ def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-def _stored_tensors(folder: Path) -> tuple[Path, dict[str, tuple[Path, tuple[int, ...]]]]:
+def memory_needed(cfg: Config) -> str:
+    """What the weights `cfg` describes amount to, from the meta model (nothing is allocated):
+    "18,867 tensors, 30.5 B parameters: 61.1 GB in bfloat16"."""
+    shapes = expected_shapes(cfg)
+    params = sum(math.prod(shape) for shape in shapes.values())
+    dtype = _dtype(cfg.dtype) or torch.float32
+    gb = params * torch.empty((), dtype=dtype, device="meta").element_size() / 1e9
+    return f"{len(shapes):,} tensors, {params / 1e9:.1f} B parameters: {gb:.1f} GB in {cfg.dtype}"
+
+
+def _stored_tensors(
+    folder: Path, cfg: Config | None = None
+) -> tuple[Path, dict[str, tuple[Path, tuple[int, ...]]]]:
     """(the file to name in messages, tensor name -> (file that holds it, shape))."""
     single, index = folder / SINGLE_FILE, folder / INDEX_FILE
     if single.is_file():
@@ -220,8 +232,10 @@ def _stored_tensors(folder: Path) -> tuple[Path, dict[str, tuple[Path, tuple[int
             f"code. Convert it once, with transformers, where you trust the file: "
             f"AutoModelForCausalLM.from_pretrained(folder).save_pretrained(new_folder)."
         )
+    size = f" config.json describes {memory_needed(cfg)} to load." if cfg is not None else ""
     raise CheckpointError(
         f"{folder}: no weights found: expected {SINGLE_FILE} or {INDEX_FILE} next to config.json."
+        + size
     )
 
 
@@ -354,7 +368,7 @@ def load_checkpoint(folder: str | Path, dtype: torch.dtype | str | None = None) 
         cfg = Config.from_file(config_file)
     except ValueError as e:  # unknown model_type, missing field, bad JSON
         raise CheckpointError(str(e)) from None
-    where, stored = _stored_tensors(folder)
+    where, stored = _stored_tensors(folder, cfg)
     validate(
         cfg, {name: shape for name, (_, shape) in stored.items()}, str(where), str(config_file)
     )

@@ -131,7 +131,8 @@ class Config:
                 "partial_rotary_factor", t.get("partial_rotary_factor", 1.0)
             ),
             attn_output_gate=t.get("attn_output_gate", False),
-            num_experts=t.get("num_experts", 0),
+            # the released configs say num_experts; transformers 5 writes num_local_experts
+            num_experts=t.get("num_experts", t.get("num_local_experts", 0)),
             num_experts_per_tok=t.get("num_experts_per_tok", 0),
             moe_intermediate_size=t.get("moe_intermediate_size", 0),
             norm_topk_prob=t.get("norm_topk_prob", True),

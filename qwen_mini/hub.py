@@ -23,7 +23,11 @@ from .model import CausalLM
 from .standin import load_standin
 
 # the models this course is written for, with their model_type
-KNOWN_MODELS = {"Qwen/Qwen3-0.6B": "qwen3", "Qwen/Qwen2.5-0.5B": "qwen2"}
+KNOWN_MODELS = {
+    "Qwen/Qwen3-0.6B": "qwen3",
+    "Qwen/Qwen2.5-0.5B": "qwen2",
+    "Qwen/Qwen3.5-0.8B": "qwen3_5",
+}
 
 WEIGHTS_ENV, DOWNLOAD_ENV = "QWEN_MINI_WEIGHTS", "QWEN_MINI_DOWNLOAD"
 # what a download fetches: configs, safetensors weights and tokenizer files, never pickles

@@ -1,8 +1,9 @@
 """Tiny random models with the real architectures: what runs when the real weights are absent.
 
 Each stand-in has the real model's `model_type`, QKV bias or QK-Norm, weight tying, RoPE base,
-context length, vocabulary (151,936 rows, so the real tokenizer works) and end-of-sequence ids,
-but only 2 layers of width 64. It runs every notebook in seconds; its text is gibberish.
+context length, vocabulary (151,936 or 248,320 rows, so the real tokenizer works) and
+end-of-sequence ids, but only 2 layers of width 64 (Qwen3.5: 4, three Gated DeltaNet and one
+attention, as 3 : 1). It runs every notebook in seconds; its text is gibberish.
 Its weights go through the same validation and assignment as a real checkpoint's.
 """
 
@@ -12,8 +13,9 @@ import copy
 
 import torch
 
-from .checkpoint import build_model, expected_shapes, validate
+from .checkpoint import build_model, checkpoint_name, expected_shapes, meta_model, validate
 from .config import Config
+from .deltanet import ZeroCentredRMSNorm
 from .model import CausalLM
 
 # shared by both stand-ins: small, but with grouped KV heads (4 query heads share 2 KV heads)
@@ -52,6 +54,31 @@ STANDINS = {
             "top_p": 0.95,
         },
     },
+    # Qwen3.5-0.8B (text): the real 3 Gated DeltaNet : 1 gated attention pattern, partial RoPE
+    # (a quarter of each head), vocabulary of 248,320 rows, theta 1e7, 262,144 positions
+    "Qwen/Qwen3.5-0.8B": {
+        "config": dict(
+            _TINY,
+            model_type="qwen3_5",
+            vocab_size=248320,
+            num_hidden_layers=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            head_dim=32,
+            attn_output_gate=True,
+            partial_rotary_factor=0.25,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,  # = key heads, as in the real model (16 and 16)
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            max_position_embeddings=262144,
+            rope_theta=10000000.0,
+            tie_word_embeddings=True,
+            eos_token_id=248044,
+        ),
+        # the official repository has no generation_config.json
+        "generation_config": {},
+    },
     "Qwen/Qwen2.5-0.5B": {
         "config": dict(
             _TINY,
@@ -82,9 +109,17 @@ def _random_weights(cfg: Config, seed: int) -> dict[str, torch.Tensor]:
     CPU, so the stand-in is bit-identical on every machine.
     """
     g, dtype = torch.Generator().manual_seed(seed), getattr(torch, cfg.dtype)
+    # Qwen3.5's norms scale by (1 + weight): their neutral weight is 0, not 1
+    zero_centred = {
+        checkpoint_name(f"{name}.weight", cfg)
+        for name, module in meta_model(cfg).named_modules()
+        if isinstance(module, ZeroCentredRMSNorm)
+    }
     weights = {}
     for name, shape in expected_shapes(cfg).items():
-        if "norm" in name:
+        if name in zero_centred:
+            weights[name] = torch.zeros(shape, dtype=dtype)
+        elif "norm" in name:
             weights[name] = torch.ones(shape, dtype=dtype)
         else:  # uniform on [-0.1, 0.1]: std 0.058, enough for the logits to differ visibly
             weights[name] = torch.empty(shape, dtype=dtype).uniform_(-0.1, 0.1, generator=g)

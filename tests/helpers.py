@@ -13,10 +13,27 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3_5Config,
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 # model_type -> (transformers config class, model class): a new architecture adds its pair here
-HF_CLASSES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+HF_CLASSES = {
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "qwen3_5": (Qwen3_5Config, Qwen3_5ForConditionalGeneration),  # text + vision checkpoint
+    "qwen3_5_text": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
+}
 
 # The one tiny config: small enough to write in milliseconds; grouped KV heads (4 query heads
 # share 2 KV heads); Qwen3 gets head_dim 16 != hidden / heads, as the real one has 128 != 64.
@@ -32,10 +49,50 @@ TINY = dict(
 )
 
 
+# Qwen3.5: the real 3 Gated DeltaNet : 1 gated attention pattern; two value heads per key head
+# (H_v = 2 H_k, so a tiled head mapping would fail); partial RoPE on 4 of 16 dims, as 64 of 256
+QWEN3_5 = dict(
+    num_hidden_layers=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [1, 1, 0],  # M-RoPE sections of the 2 rotary frequencies (text: 1-D)
+        "mrope_interleaved": True,
+    },
+)
+# the smallest vision tower transformers builds, for the multimodal qwen3_5 checkpoint (ignored)
+TINY_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, patch_size=4)
+
+
 def tiny_config(model_type: str = "qwen3", **overrides) -> dict:
     """A tiny config.json (as a dict) of `model_type`; overrides change or add any field."""
-    extra = {"head_dim": 16} if model_type == "qwen3" else {}
-    return {"model_type": model_type, **TINY, **extra, **overrides}
+    moe = dict(
+        moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2
+    )  # 2 of 4, every layer
+    extra = {
+        "qwen3": {"head_dim": 16},
+        "qwen3_moe": {"head_dim": 16, **moe},
+        "qwen3_5": QWEN3_5,
+        "qwen3_5_text": QWEN3_5,
+    }
+    fields = {"model_type": model_type, **TINY, **extra.get(model_type, {}), **overrides}
+    if model_type != "qwen3_5":
+        return fields
+    # multimodal: the text model's fields under text_config, next to a vision tower's
+    tied = fields.pop("tie_word_embeddings", False)
+    text = {**fields, "model_type": "qwen3_5_text"}
+    vision = {**TINY_VISION, "out_hidden_size": text["hidden_size"]}
+    return dict(
+        model_type="qwen3_5", tie_word_embeddings=tied, text_config=text, vision_config=vision
+    )
 
 
 def hf_config(model_type: str = "qwen3", **overrides):
@@ -46,14 +103,26 @@ def hf_config(model_type: str = "qwen3", **overrides):
     return config_cls(**fields)
 
 
+ZERO_CENTRED_NORMS = ("Qwen3_5RMSNorm", "ZeroCentredRMSNorm")  # transformers', qwen_mini's
+
+
 def randomize(model: torch.nn.Module, seed: int = 0, std: float = 0.2) -> torch.nn.Module:
     """Weights large enough that logits differ clearly (the default init gives near-zero logits,
     which would let a wrong implementation pass a tolerance check). Norms stay near 1."""
     g = torch.Generator().manual_seed(seed)
+    # Qwen3.5's norms scale by (1 + weight): their "near 1" is a weight near 0
+    zero_centred = {
+        f"{module_name}.weight" if module_name else "weight"
+        for module_name, module in model.named_modules()
+        if type(module).__name__ in ZERO_CENTRED_NORMS
+    }
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name else std * noise)
+            if name in zero_centred:
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(1 + 0.1 * noise if "norm" in name else std * noise)
     return model
 
 

@@ -238,9 +238,9 @@ def test_peak_memory_of_bf16_load_is_about_the_file(tmp_path):
 def test_meta_build_skips_the_random_init_of_every_module_type():
     """Conv1d (Gated DeltaNet), Embedding, Linear: all initialise through torch.nn.init, which
     the meta build silences, and restores afterwards."""
-    from qwen_mini.checkpoint import _no_init
+    from qwen_mini.checkpoint import without_init
 
-    with _no_init():
+    with without_init():
         layers = [
             torch.nn.Conv1d(4, 4, 3, groups=4),
             torch.nn.Embedding(5, 4),

@@ -12,7 +12,14 @@ from qwen_mini.course import notebooks as nbs
 from qwen_mini.course.grading import cli as grade
 
 ROOT = Path(__file__).resolve().parent.parent
-CHAPTERS = {0: "ch00_foundations.ipynb", 1: "ch01_attention.ipynb", 4: "ch04_thinking.ipynb"}
+CHAPTERS = {
+    0: "ch00_foundations.ipynb",
+    1: "ch01_attention.ipynb",
+    2: "ch02_qk_norm.ipynb",
+    3: "ch03_moe.ipynb",
+    4: "ch04_thinking.ipynb",
+    5: "ch05_deltanet.ipynb",
+}
 
 
 def _mixed(folder: Path, chapter: int, stub_cell: str) -> Path:
@@ -47,10 +54,25 @@ CHEATS = {
         "import qwen_mini.attention\n\n\nclass Attention(qwen_mini.attention.Attention):\n"
         '    pass\n\n\ncheck("ch01.Attention", Attention)',
     ),
+    2: (
+        "17187467",
+        "ch02.project_qk",
+        'from qwen_mini.qk_norm import project_qk\n\ncheck("ch02.project_qk", project_qk)',
+    ),
+    3: (
+        "0c9192cc",
+        "ch03.route",
+        'from qwen_mini.moe import route\n\ncheck("ch03.route", route)',
+    ),
     4: (
         "c4000011",
         "ch04.render_turn",
         'from qwen_mini.chat import render_turn\n\ncheck("ch04.render_turn", render_turn)',
+    ),
+    5: (
+        "898e47cd",
+        "ch05.decay_mask",
+        'from qwen_mini.deltanet import decay_mask\n\ncheck("ch05.decay_mask", decay_mask)',
     ),
 }
 
@@ -73,7 +95,10 @@ def _grade(tmp_path: Path, chapter: int, files: list[Path]) -> dict[str, dict]:
         (0, "6a366c8d", "ch00.rotate_half", "ch00.apply_rope"),
         (1, "a988864a", "ch01.repeat_kv", "ch01.Attention"),
         (1, "a8000004", "ch01.DecoderLayer", "ch01.decode"),  # the model-level exercises
+        (2, "17187467", "ch02.project_qk", "ch02.logit_stats"),
+        (3, "1fc59484", "ch03.routing_statistics", "ch03.load_balancing_loss"),
         (4, "c4000011", "ch04.render_turn", "ch04.render_prompt"),
+        (5, "898e47cd", "ch05.decay_mask", "ch05.chunk_loop"),
     ],
 )
 def test_real_chapter_grades(tmp_path, chapter, stub_cell, stubbed, dependent):

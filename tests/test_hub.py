@@ -25,7 +25,11 @@ from qwen_mini.hub import (
 from qwen_mini.standin import STANDINS, load_standin
 
 CONFIGS = Path(__file__).resolve().parent.parent / "assets" / "configs"
-REAL = {"Qwen/Qwen3-0.6B": CONFIGS / "qwen3-0.6b", "Qwen/Qwen2.5-0.5B": CONFIGS / "qwen2.5-0.5b"}
+REAL = {
+    "Qwen/Qwen3-0.6B": CONFIGS / "qwen3-0.6b",
+    "Qwen/Qwen2.5-0.5B": CONFIGS / "qwen2.5-0.5b",
+    "Qwen/Qwen3.5-0.8B": CONFIGS / "qwen3.5-0.8b",
+}
 QWEN3 = "Qwen/Qwen3-0.6B"
 # what the stand-ins share with the real models (everything but the sizes)
 SAME_AS_REAL = ("model_type", "vocab_size", "rope_theta", "max_position_embeddings",

@@ -18,8 +18,7 @@ import json
 
 import pytest
 import torch
-from helpers import write_checkpoint
-from transformers import AutoModelForCausalLM
+from helpers import HF_CLASSES, write_checkpoint
 
 import qwen_mini
 import qwen_mini.architectures
@@ -52,6 +51,34 @@ CASES = [
                       tied=False, shard="40KB"), id="qwen2-mqa-untied-sharded"),
     pytest.param(dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=4,
                       tied=True), id="qwen2-mha-tied-single"),
+    # qwen3_moe: every layer sparse, 8 experts, top-2, renormalised
+    pytest.param(dict(model_type="qwen3_moe", num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, tied=False), id="qwen3_moe-e8k2-norm-untied"),
+    # top-1 of 4 without renormalisation (weights are the full-softmax probabilities), sharded
+    pytest.param(dict(model_type="qwen3_moe", num_attention_heads=4, num_key_value_heads=1,
+                      head_dim=16, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=24,
+                      norm_topk_prob=False, tied=True, shard="40KB"),
+                 id="qwen3_moe-e4k1-nonorm-tied-sharded"),
+    # 4 layers, every 2nd sparse, layer 3 dense by mlp_only_layers: only layer 1 has experts
+    pytest.param(dict(model_type="qwen3_moe", num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, num_hidden_layers=4, num_experts=16, num_experts_per_tok=4,
+                      moe_intermediate_size=16, decoder_sparse_step=2, mlp_only_layers=[3],
+                      norm_topk_prob=False, tied=False), id="qwen3_moe-e16k4-step2-mlponly"),
+    # 3 layers, layer 0 dense; k = 3 of 5, renormalised
+    pytest.param(dict(model_type="qwen3_moe", num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, num_hidden_layers=3, num_experts=5, num_experts_per_tok=3,
+                      moe_intermediate_size=16, mlp_only_layers=[0], norm_topk_prob=True,
+                      tied=True), id="qwen3_moe-e5k3-norm-layer0dense"),
+    # Qwen3.5 (3 Gated DeltaNet : 1 gated attention), multimodal checkpoint: text under
+    # model.language_model., a vision tower to ignore; two value heads per key head
+    pytest.param(dict(model_type="qwen3_5", tied=True), id="qwen3_5-tied-single"),
+    pytest.param(dict(model_type="qwen3_5", tied=False, shard="40KB"),
+                 id="qwen3_5-untied-sharded"),
+    # text-only checkpoint (Qwen3_5ForCausalLM); one value head per key head
+    pytest.param(dict(model_type="qwen3_5_text", tied=True, linear_num_value_heads=2),
+                 id="qwen3_5_text-hv1-tied"),
+    pytest.param(dict(model_type="qwen3_5_text", tied=False), id="qwen3_5_text-untied"),
 ]  # fmt: skip
 
 
@@ -82,7 +109,8 @@ def pair(request, tmp_path_factory):
         assert len(set(index["weight_map"].values())) > 1
 
     ours = qwen_mini.load_model(folder, dtype=torch.float32).eval()
-    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    # the class that wrote it (the Auto class would read a multimodal Qwen3.5 as text-only)
+    ref = HF_CLASSES[model_type][1].from_pretrained(folder, dtype=torch.float32).eval()
     assert ours.config.tie_word_embeddings == ref.config.tie_word_embeddings == tied
     yield ours, ref
     del ours, ref

@@ -1,0 +1,220 @@
+# Generated from solutions/ch03_moe.ipynb by python -m qwen_mini.course.build —
+# edit the notebook, not this file.
+
+"""Chapter 3: mixture-of-experts feed-forward blocks (Qwen3-MoE, Qwen3-Next / Qwen3.5-MoE) and
+the load-balancing loss."""
+
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qwen_mini.config import Config
+from qwen_mini.foundations import MLP
+
+
+def route(
+    logits: torch.Tensor, k: int, norm_topk_prob: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [N, E] -> (weights [N, k] in the logits' dtype, experts [N, k] int64).
+
+    Probabilities come from a softmax over ALL E experts, computed in float32; each token keeps
+    its k most probable experts; with norm_topk_prob their k probabilities are rescaled to sum
+    to 1.
+    """
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [N, E]
+    weights, experts = torch.topk(probs, k, dim=-1)  # [N, k], [N, k]
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), experts
+
+
+def grouped_dispatch(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts_idx: torch.Tensor,
+    experts: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+) -> torch.Tensor:
+    """Sum over each token's k experts of weight * expert(token), one expert call per expert.
+
+    x [N, H]; weights, experts_idx [N, k]; experts[e] maps [n, H] -> [n, H]. Returns [N, H].
+    The N * k routing slots are grouped by expert (a sort), each expert runs once on the rows
+    routed to it, and the weighted results are added back at their tokens' rows.
+    """
+    N, k = experts_idx.shape
+    flat = experts_idx.reshape(-1)  # [N * k] the expert of each routing slot
+    order = torch.argsort(flat, stable=True)  # slots grouped by expert
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()  # [E] slots per expert
+    out = torch.zeros_like(x)  # [N, H]
+    for e, slots in enumerate(torch.split(order, counts)):
+        if len(slots) == 0:
+            continue  # an expert no token chose costs nothing
+        tokens = slots // k  # slot s belongs to token s // k
+        y = experts[e](x[tokens]) * weights.reshape(-1)[slots, None]  # [n_e, H]
+        out.index_add_(0, tokens, y.to(out.dtype))
+    return out
+
+
+class FusedExperts(nn.Module):
+    """E SwiGLU experts stored as two 3-D tensors, the layout of Qwen3.5-MoE checkpoints:
+    gate_up_proj [E, 2 * I, H] (each expert's gate_proj rows, then its up_proj rows) and
+    down_proj [E, H, I]. `experts[e]` is expert e as a function [n, H] -> [n, H]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        E, H, I = num_experts, hidden_size, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, H) * H**-0.5)  # no .weight
+        self.down_proj = nn.Parameter(torch.randn(E, H, I) * I**-0.5)
+
+    def __len__(self) -> int:
+        return self.gate_up_proj.shape[0]
+
+    def __getitem__(self, e: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        return partial(self.expert, e)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
+        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)  # [n, I] each
+        return F.linear(F.silu(gate) * up, self.down_proj[e])
+
+
+class SparseMoeBlock(nn.Module):
+    """Qwen3-MoE feed-forward block: x [B, T, H] -> [B, T, H].
+
+    gate: the router, Linear(H, E) without bias; experts: E SwiGLU experts of width I, stored
+    one by one (`experts.{e}.gate_proj`, Qwen3-MoE and Qwen3-Next checkpoints) or fused
+    (`experts.gate_up_proj`, Qwen3.5-MoE checkpoints).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool = True,
+        fused: bool = False,
+    ):
+        super().__init__()
+        H, I, E = hidden_size, intermediate_size, num_experts
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = nn.Linear(H, E, bias=False)
+        if fused:
+            self.experts = FusedExperts(E, H, I)
+        else:
+            self.experts = nn.ModuleList(MLP(H, I) for _ in range(E))
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [N, E]
+        return self.gate(x.reshape(-1, x.shape[-1]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [N, H], N = B * T: routing is per token
+        weights, experts_idx = route(self.gate(flat), self.top_k, self.norm_topk_prob)
+        return grouped_dispatch(flat, weights, experts_idx, self.experts).view(x.shape)
+
+
+def shared_expert_output(
+    x: torch.Tensor, shared_expert: nn.Module, shared_expert_gate: nn.Module
+) -> torch.Tensor:
+    """The shared expert's contribution [..., H]: its output scaled, token by token, by a
+    number between 0 and 1 computed from the token by shared_expert_gate (Linear(H, 1))."""
+    return torch.sigmoid(shared_expert_gate(x)) * shared_expert(x)  # [..., 1] * [..., H]
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """Qwen3-Next / Qwen3.5-MoE feed-forward block: the routed experts of SparseMoeBlock plus
+    one always-active `shared_expert` (SwiGLU of its own width) gated per token by
+    sigmoid(`shared_expert_gate`(x)). x [B, T, H] -> [B, T, H]."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        shared_expert_intermediate_size: int,
+        norm_topk_prob: bool = True,
+        fused: bool = False,
+    ):
+        super().__init__(hidden_size, intermediate_size, num_experts, top_k, norm_topk_prob, fused)
+        self.shared_expert = MLP(hidden_size, shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = shared_expert_output(x, self.shared_expert, self.shared_expert_gate)
+        return super().forward(x) + shared
+
+
+def routing_statistics(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """What the load-balancing loss needs from one layer's router logits [N, E]:
+    (counts [E]: how many of the N tokens chose each expert among their top k, so the counts
+    sum to N * k; prob_sums [E]: each expert's softmax probability summed over the tokens;
+    N). All three are sums, so statistics of several batches add up."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [N, E]
+    experts_idx = torch.topk(probs, k, dim=-1).indices  # [N, k]
+    counts = torch.bincount(experts_idx.reshape(-1), minlength=logits.shape[-1]).float()
+    return counts, probs.sum(dim=0), logits.shape[0]
+
+
+def load_balancing_loss(router_logits: Sequence[torch.Tensor], k: int) -> torch.Tensor:
+    """The Switch-Transformer auxiliary loss E * sum_e f_e * P_e, pooled over the layers given
+    (one [N, E] tensor per layer; pass one layer for a per-layer loss).
+
+    f_e: the fraction of tokens that have expert e among their top k (the f_e sum to k);
+    P_e: the mean router probability of expert e (the P_e sum to 1). A perfectly balanced
+    router gives k. Equal to transformers' `load_balancing_loss_func` (no padding mask).
+    """
+    stats = [routing_statistics(logits, k) for logits in router_logits]
+    counts = sum(s[0] for s in stats)  # [E] pooled over the layers
+    prob_sums = sum(s[1] for s in stats)
+    rows = sum(s[2] for s in stats)  # tokens x layers
+    f, P = counts / rows, prob_sums / rows  # [E], [E]
+    return router_logits[0].shape[-1] * (f * P).sum()
+
+
+def global_load_balancing_loss(
+    micro_batches: Sequence[Sequence[torch.Tensor]], k: int
+) -> torch.Tensor:
+    """The load-balancing loss of a global batch made of several micro-batches.
+
+    micro_batches[m][l]: layer l's router logits [N_m, E] on micro-batch m. The expert
+    frequencies f_e are counted over the whole global batch (all micro-batches together), as
+    Qwen3 does (Qiu et al. 2025), instead of averaging the micro-batches' own losses.
+    """
+    every_layer = [logits for micro in micro_batches for logits in micro]
+    return load_balancing_loss(every_layer, k)
+
+
+def split_mlp(mlp: MLP, num_experts: int) -> nn.ModuleList:
+    """Split a dense SwiGLU MLP of width I into num_experts experts of width I / num_experts.
+
+    Expert e owns intermediate neurons e * I/E ... (e + 1) * I/E - 1: its rows of gate_proj and
+    up_proj and the matching columns of down_proj. The sum of all experts' outputs equals
+    the dense MLP's output.
+    """
+    H, I = mlp.gate_proj.in_features, mlp.gate_proj.out_features
+    if I % num_experts:
+        raise ValueError(f"intermediate size {I} is not divisible by {num_experts} experts")
+    width = I // num_experts
+    experts = nn.ModuleList(MLP(H, width) for _ in range(num_experts))
+    with torch.no_grad():
+        for e, expert in enumerate(experts):
+            rows = slice(e * width, (e + 1) * width)
+            expert.gate_proj.weight.copy_(mlp.gate_proj.weight[rows])  # [I/E, H]
+            expert.up_proj.weight.copy_(mlp.up_proj.weight[rows])  # [I/E, H]
+            expert.down_proj.weight.copy_(mlp.down_proj.weight[:, rows])  # [H, I/E]
+    return experts.to(mlp.gate_proj.weight.dtype)
+
+
+def qwen3_moe_mlp(cfg: Config, layer_idx: int) -> nn.Module:
+    """The feed-forward block of a qwen3_moe model's layer layer_idx."""
+    if not cfg.is_sparse_layer(layer_idx):
+        return MLP(cfg.hidden_size, cfg.intermediate_size)
+    return SparseMoeBlock(
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        cfg.num_experts,
+        cfg.num_experts_per_tok,
+        cfg.norm_topk_prob,
+    )
