@@ -5,6 +5,7 @@ import os
 import pty
 import re
 import select
+import signal
 import sys
 import time
 from pathlib import Path
@@ -22,6 +23,9 @@ def _spawn(*args):
     code = "import sys; from qwen_mini.cli import main; sys.exit(main())"
     pid, fd = pty.fork()
     if pid == 0:  # the child: the pty is its controlling terminal, so Ctrl-C sends SIGINT
+        # as in a terminal: a test run started in the background inherits SIGINT ignored, and
+        # Python then never turns Ctrl-C into KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.execve(sys.executable, [sys.executable, "-c", code, "chat", *args], env)
     return pid, fd
 
@@ -67,6 +71,9 @@ def test_two_turns_thinking_shown_clean_exit(leave):
     for line in ["What is 2+2?", "And 3+3?"]:
         os.write(fd, (line + "\n").encode())
         out = _read_until(fd, PROMPT, out)
+    # the prompt is printed just before input() starts reading: a Ctrl-C in between is noted by
+    # Python but only acted on once the read returns, so give the read a moment to start
+    time.sleep(1)
     os.write(fd, leave.encode())
     code, out = _exit_status(pid, fd, out)
     os.close(fd)
