@@ -29,14 +29,7 @@ from qwen_mini.deltanet import (
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Hundreds of tiny products: on a shared 2-core machine, waking a second thread for each
-    costs 10-20x the product itself."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 LENGTHS = [1, 3, 63, 64, 65, 200, 1000]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import hf_config
 from transformers import Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
@@ -24,39 +25,12 @@ from qwen_mini.foundations import rope_cos_sin
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Hundreds of tiny products: on a shared 2-core machine, waking a second thread for each
-    costs 10-20x the product itself."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def tiny_config(value_heads: int = 4, **overrides) -> Qwen3_5TextConfig:
-    fields = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=value_heads,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [1, 1, 0],  # rotary width 4 = 2 * (1 + 1 + 0) frequencies
-            "mrope_interleaved": True,
-        },
-    )
-    return Qwen3_5TextConfig(**{**fields, **overrides})
+    """The tests' tiny Qwen3.5 text config (tests/helpers.py), with `value_heads` value heads."""
+    return hf_config("qwen3_5_text", linear_num_value_heads=value_heads, **overrides)
 
 
 def randomize(module: torch.nn.Module, seed: int = 0) -> None:
