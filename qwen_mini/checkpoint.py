@@ -73,13 +73,14 @@ def checkpoint_name(key: str, cfg: Config) -> str:
     return prefix + key.removeprefix("model.") if key.startswith("model.") else key
 
 
-def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+def expected_shapes(cfg: Config, model: CausalLM | None = None) -> dict[str, tuple[int, ...]]:
     """Checkpoint tensor name -> shape for every tensor a checkpoint with this config must hold.
 
     Read off the model's own state dict (as nanoGPT's from_pretrained does), so the loader can
-    never disagree with the modules. A tied head is the embedding, so it needs no tensor.
+    never disagree with the modules; `model` is the meta model of `cfg` if one is at hand. A tied
+    head is the embedding, so it needs no tensor.
     """
-    state = meta_model(cfg).state_dict()
+    state = (model if model is not None else meta_model(cfg)).state_dict()
     if cfg.tie_word_embeddings:
         del state["lm_head.weight"]
     return {checkpoint_name(k, cfg): tuple(v.shape) for k, v in state.items()}
@@ -270,10 +271,15 @@ def _read_index(index: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
 
 
 def validate(
-    cfg: Config, found: dict[str, tuple[int, ...]], where: str, config_file: str = "config.json"
+    cfg: Config,
+    found: dict[str, tuple[int, ...]],
+    where: str,
+    config_file: str = "config.json",
+    model: CausalLM | None = None,
 ) -> None:
-    """Check stored tensor shapes `found` against the config; `where` names the weights file."""
-    want = expected_shapes(cfg)
+    """Check stored tensor shapes `found` against the config; `where` names the weights file.
+    `model`: the meta model of `cfg`, if the caller has built it already."""
+    want = expected_shapes(cfg, model)
     ignored = ARCHITECTURES[cfg.model_type].ignored_prefixes
     missing = [k for k in want if k not in found]
     if missing:
@@ -317,13 +323,16 @@ def validate(
 
 
 def build_model(
-    cfg: Config, tensors: dict[str, torch.Tensor], dtype: torch.dtype | str | None = None
+    cfg: Config,
+    tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype | str | None = None,
+    model: CausalLM | None = None,
 ) -> CausalLM:
-    """Fill a model built on the meta device with validated tensors (by checkpoint name), through
-    chapter 1's `load_weights`, with no copy unless `dtype` asks for one; then apply the runtime
-    speed-ups."""
+    """Fill a model built on the meta device (`model`, or a new one) with validated tensors (by
+    checkpoint name), through chapter 1's `load_weights`, with no copy unless `dtype` asks for
+    one; then apply the runtime speed-ups."""
     dtype = _dtype(dtype)
-    model = meta_model(cfg)
+    model = model if model is not None else meta_model(cfg)
     prefix = ARCHITECTURES[cfg.model_type].checkpoint_prefix
 
     def get_tensor(key: str) -> torch.Tensor:
@@ -369,16 +378,16 @@ def load_checkpoint(folder: str | Path, dtype: torch.dtype | str | None = None) 
     except ValueError as e:  # unknown model_type, missing field, bad JSON
         raise CheckpointError(str(e)) from None
     where, stored = _stored_tensors(folder, cfg)
-    validate(
-        cfg, {name: shape for name, (_, shape) in stored.items()}, str(where), str(config_file)
-    )
-    tensors, keep = {}, expected_shapes(cfg)
+    model = meta_model(cfg)  # built once: what to expect, then what to fill
+    found = {name: shape for name, (_, shape) in stored.items()}
+    validate(cfg, found, str(where), str(config_file), model)
+    tensors, keep = {}, expected_shapes(cfg, model)
     for path in sorted({path for path, _ in stored.values()}):
         with safe_open(str(path), framework="pt") as f:  # memory-mapped: nothing is read yet
             for name in f.keys():
                 if name in keep and stored[name][0] == path:
                     tensors[name] = f.get_tensor(name)
-    model = build_model(cfg, tensors, dtype)
+    model = build_model(cfg, tensors, dtype, model)
     gen = folder / "generation_config.json"
     model.generation_config = _read_json(gen) if gen.is_file() else {}
     model.source, model.is_standin = str(folder), False
