@@ -211,10 +211,13 @@ def chunk_gated_delta_rule(
 
     k_beta = k * beta[..., None]
     A = ((k_beta @ k.transpose(-1, -2)) * M).tril(-1)  # [B, H, N, C, C], strictly lower
-    # one solve for both right-hand sides: U0, the writes if every chunk started at S0 = 0,
-    # and W, how S0 changes them (U = U0 - W S0)
-    both = solve_unit_lower(A, torch.cat([v * beta[..., None], k_beta * decay_in], dim=-1))
-    U0, W = both.split([d_v, k.shape[-1]], dim=-1)
+    # (I + A)^-1 once per chunk (the identity as right-hand side), then two batched products:
+    # U0, the writes if every chunk started at S0 = 0, and W, how S0 changes them
+    # (U = U0 - W S0). On a CPU this is faster than solving for the d_v + d_k columns directly.
+    eye = torch.eye(C, dtype=A.dtype, device=A.device).expand(A.shape).clone()
+    A_inv = solve_unit_lower(A, eye)  # [B, H, N, C, C]
+    U0 = A_inv @ (v * beta[..., None])  # [B, H, N, C, d_v]
+    W = A_inv @ (k_beta * decay_in)  # [B, H, N, C, d_k]
     scores = (q @ k.transpose(-1, -2)) * M  # [B, H, N, C, C]: causal, decayed
     q_decayed = q * decay_in  # reads S0 through the decay since the chunk start
     k_to_end = k * decay_out  # writes, decayed to the chunk's end
