@@ -75,7 +75,8 @@ def _heads_first(q, k, v, g, beta, scale):
     """Float32 (float64 stays float64), key heads expanded, heads before time: [B, H_v, T, d]
     and [B, H_v, T]."""
     H_v = v.shape[2]
-    q, k = expand_key_heads(q, H_v), expand_key_heads(k, H_v)
+    if q.shape[2] != H_v:  # (with as many key heads as value heads there is nothing to copy)
+        q, k = expand_key_heads(q, H_v), expand_key_heads(k, H_v)
     wide = torch.promote_types(v.dtype, torch.float32)  # bfloat16 -> float32
     # contiguous once here, rather than a hidden copy in every later reshape and product
     q, k, v, g, beta = (x.transpose(1, 2).to(wide).contiguous() for x in (q, k, v, g, beta))
@@ -210,7 +211,7 @@ def chunk_gated_delta_rule(
     chunk_decay = G[..., -1].exp().to(q.dtype)[..., None, None]  # [B, H, N, 1, 1]
 
     k_beta = k * beta[..., None]
-    A = ((k_beta @ k.transpose(-1, -2)) * M).tril(-1)  # [B, H, N, C, C], strictly lower
+    A = (k_beta @ k.transpose(-1, -2)).mul_(M).tril_(-1)  # [B, H, N, C, C], strictly lower
     # (I + A)^-1 once per chunk (the identity as right-hand side), then two batched products:
     # U0, the writes if every chunk started at S0 = 0, and W, how S0 changes them
     # (U = U0 - W S0). On a CPU this is faster than solving for the d_v + d_k columns directly.
@@ -218,7 +219,7 @@ def chunk_gated_delta_rule(
     A_inv = solve_unit_lower(A, eye)  # [B, H, N, C, C]
     U0 = A_inv @ (v * beta[..., None])  # [B, H, N, C, d_v]
     W = A_inv @ (k_beta * decay_in)  # [B, H, N, C, d_k]
-    scores = (q @ k.transpose(-1, -2)) * M  # [B, H, N, C, C]: causal, decayed
+    scores = (q @ k.transpose(-1, -2)).mul_(M)  # [B, H, N, C, C]: causal, decayed
     q_decayed = q * decay_in  # reads S0 through the decay since the chunk start
     k_to_end = k * decay_out  # writes, decayed to the chunk's end
 
