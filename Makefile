@@ -34,7 +34,7 @@ test: $(VENV)/.dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m qwen_mini.course.build --check
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest --durations=15 tests
 	mkdir -p $(VENV)/empty-hf-cache
 	$(NB_ENV) QWEN_MINI_CHECKS=solutions $(BIN)/python -m pytest --nbval-lax solutions
 	$(NB_ENV) QWEN_MINI_CHECKS=course $(BIN)/python -m pytest --nbval-lax course

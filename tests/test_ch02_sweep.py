@@ -3,7 +3,12 @@ the first steps of several runs are trained again, with the stored settings and 
 CPU thread, and compared with the file. Constant learning rate, so the first n steps of a run do
 not depend on its length. Tolerances: the file keeps 5 significant digits; two runs of the same
 code on one thread agree bit for bit here, and other CPUs may round the last float32 bits of a
-matrix product differently, which a few steps of training amplify only slightly."""
+matrix product differently, which a few steps of stable training amplify only slightly.
+
+The run without QK-Norm at the high rate is not stable (that is its point): once its largest
+logit passes 100, at step 5, a last-bit difference grows to a few percent within steps (seen
+between two CPUs, an Intel Xeon and an AMD EPYC). It is compared over the steps
+before that."""
 
 import json
 import math
@@ -15,7 +20,6 @@ from qwen_mini.config import ASSETS
 from qwen_mini.qk_norm import train_tiny
 
 SWEEP = json.loads((ASSETS / "data" / "logit_growth_sweep.json").read_text())
-STEPS = 21  # records at steps 0, 5, 10, 15, 20
 
 
 def _stored(qk_norm: bool, lr: float) -> dict:
@@ -30,13 +34,16 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("qk_norm, lr", [(False, 0.03), (True, 0.03), (False, 0.001)])
-def test_first_steps_match_the_stored_sweep(qk_norm, lr):
-    settings = dict(SWEEP["settings"], steps=STEPS)
+# (qk_norm, lr, steps): the stable runs over 21 steps (records at 0, 5, 10, 15, 20)
+@pytest.mark.parametrize(
+    "qk_norm, lr, steps", [(False, 0.03, 5), (True, 0.03, 21), (False, 0.001, 21)]
+)
+def test_first_steps_match_the_stored_sweep(qk_norm, lr, steps):
+    settings = dict(SWEEP["settings"], steps=steps)
     _, rec = train_tiny(qk_norm, lr, **settings)
     stored = _stored(qk_norm, lr)
     torch.testing.assert_close(
-        torch.tensor(rec["loss"]), torch.tensor(stored["loss"][:STEPS]), rtol=2e-4, atol=1e-4
+        torch.tensor(rec["loss"]), torch.tensor(stored["loss"][:steps]), rtol=2e-4, atol=1e-4
     )
     # records every `every` steps, plus the last step of a run: keep those the full run also has
     n = sum(1 for s in rec["step"] if s % settings["every"] == 0)
