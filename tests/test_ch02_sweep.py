@@ -7,8 +7,7 @@ matrix product differently, which a few steps of stable training amplify only sl
 
 The run without QK-Norm at the high rate is not stable (that is its point): once its largest
 logit passes 100, at step 5, a last-bit difference grows to a few percent within steps (seen
-between two CPUs, an Intel Xeon and an AMD EPYC). It is compared over the steps
-before that."""
+between two CPUs, an Intel Xeon and an AMD EPYC). It is compared over the steps before that."""
 
 import json
 import math
@@ -34,7 +33,8 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-# (qk_norm, lr, steps): the stable runs over 21 steps (records at 0, 5, 10, 15, 20)
+# (qk_norm, lr, steps): the stable runs over 21 steps (records at 0, 5, 10, 15, 20), the
+# unstable one over the 5 steps before its logits pass 100
 @pytest.mark.parametrize(
     "qk_norm, lr, steps", [(False, 0.03, 5), (True, 0.03, 21), (False, 0.001, 21)]
 )
