@@ -90,37 +90,42 @@ def _grade(tmp_path: Path, chapter: int, files: list[Path]) -> dict[str, dict]:
     return rows
 
 
-@pytest.mark.parametrize(
-    "chapter, stub_cell, stubbed, dependent",
-    [
-        (0, "6a366c8d", "ch00.rotate_half", "ch00.apply_rope"),
-        (1, "a988864a", "ch01.repeat_kv", "ch01.Attention"),
-        (1, "a8000004", "ch01.DecoderLayer", "ch01.decode"),  # the model-level exercises
-        (2, "17187467", "ch02.project_qk", "ch02.logit_stats"),
-        (3, "1fc59484", "ch03.routing_statistics", "ch03.load_balancing_loss"),
-        (4, "c4000011", "ch04.render_turn", "ch04.render_prompt"),
-        (5, "898e47cd", "ch05.decay_mask", "ch05.chunk_loop"),
+# per chapter, the stubs to try: (cell taken from the learner copy, its exercise, a later exercise
+# that builds on it); each stub is its own notebook, all graded in one run
+STUBS = {
+    0: [("6a366c8d", "ch00.rotate_half", "ch00.apply_rope")],
+    1: [
+        ("a988864a", "ch01.repeat_kv", "ch01.Attention"),
+        ("a8000004", "ch01.DecoderLayer", "ch01.decode"),  # the model-level exercises
     ],
-)
-def test_real_chapter_grades(tmp_path, chapter, stub_cell, stubbed, dependent):
+    2: [("17187467", "ch02.project_qk", "ch02.logit_stats")],
+    3: [("1fc59484", "ch03.routing_statistics", "ch03.load_balancing_loss")],
+    4: [("c4000011", "ch04.render_turn", "ch04.render_prompt")],
+    5: [("898e47cd", "ch05.decay_mask", "ch05.chunk_loop")],
+}
+
+
+@pytest.mark.parametrize("chapter", sorted(CHAPTERS))
+def test_real_chapter_grades(tmp_path, chapter):
     name = CHAPTERS[chapter]
-    mixed = _mixed(tmp_path, chapter, stub_cell)
+    mixed = [_mixed(tmp_path, chapter, stub_cell) for stub_cell, _, _ in STUBS[chapter]]
     cell, cheated, source = CHEATS[chapter]
     cheat = _cheat(tmp_path, chapter, cell, source)
-    files = [ROOT / "solutions" / name, ROOT / "course" / name, mixed, cheat]
+    files = [ROOT / "solutions" / name, ROOT / "course" / name, *mixed, cheat]
     rows = _grade(tmp_path, chapter, files)
     stem = Path(name).stem
-    solved, learner, partial = rows[f"solutions/{stem}"], rows[f"course/{stem}"], None
-    partial = rows[f"{tmp_path.name}/{mixed.stem}"]
+    solved, learner = rows[f"solutions/{stem}"], rows[f"course/{stem}"]
     ids = [k for k in solved if k not in ("notebook", "total", "max_total") and " " not in k]
     assert len(ids) >= 6
     full = sum(float(solved[x]) for x in ids)
     assert full > 0 and float(solved["total"]) == full == float(solved["max_total"])
     assert all(solved[f"{x} status"] == "passed" for x in ids)
     assert all(float(learner[x]) == 0 for x in ids) and float(learner["total"]) == 0
-    assert float(partial[stubbed]) == 0 and partial[f"{stubbed} status"] == "failed"
-    assert float(partial[dependent]) == float(solved[dependent]) > 0
-    assert float(partial["total"]) == full - float(solved[stubbed])
+    for path, (_, stubbed, dependent) in zip(mixed, STUBS[chapter], strict=True):
+        partial = rows[f"{tmp_path.name}/{path.stem}"]
+        assert float(partial[stubbed]) == 0 and partial[f"{stubbed} status"] == "failed"
+        assert float(partial[dependent]) == float(solved[dependent]) > 0
+        assert float(partial["total"]) == full - float(solved[stubbed])
     # a blank notebook answering an exercise with the package's own code earns nothing
     cheated_row = rows[f"{tmp_path.name}/cheat"]
     assert cheated_row[f"{cheated} status"] == "reference" and float(cheated_row["total"]) == 0
