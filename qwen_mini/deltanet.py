@@ -372,6 +372,11 @@ class GatedDeltaNet(nn.Module):
             device,
         )
 
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, hidden] -> g [B, T, H_v], <= 0: exp(g) is the fraction of the state each token
+        keeps. In float32, so that exp(A_log) cannot overflow."""
+        return -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+
     def forward(self, x, cos=None, sin=None, cache: DeltaNetState | None = None):
         """x [B, T, hidden] -> [B, T, hidden]. cos, sin are unused (no positions: order comes
         from the recurrence and the convolution). With a cache, continue from its states and
@@ -390,8 +395,7 @@ class GatedDeltaNet(nn.Module):
         k = l2norm(k.reshape(B, T, self.n_k, self.d_k).float())
         v = v.reshape(B, T, self.n_v, self.d_v)  # [B, T, H_v, d_v]
         beta = self.in_proj_b(x).sigmoid()  # [B, T, H_v]: how much of the error to write
-        # g = log of the decay per token, <= 0; float32 so that exp(A_log) cannot overflow
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        g = self.log_decay(x)  # [B, T, H_v]
 
         state = cache.recurrent if cache is not None else None
         if cache is not None and T == 1:  # decoding: one step of the recurrence
