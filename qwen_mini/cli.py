@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, help="0 means greedy")
     g.add_argument("--top-k", type=int, help="sample from the K most likely tokens only")
     g.add_argument(
-        "--top-p", type=float, help="sample from the most likely tokens whose probabilities sum to P"
+        "--top-p", type=float, help="sample from the likeliest tokens whose probabilities sum to P"
     )
     g.add_argument(
         "--min-p", type=float, help="drop tokens less likely than P times the most likely one"
@@ -187,7 +187,7 @@ def cmd_reset(args) -> int:
 
     notebook, backup = reset(find_clone(args.dir), args.chapter)
     print(f"{notebook}: the fresh copy of the chapter")
-    print(f"your old copy is kept as {backup}" if backup else "(the old copy had no changes of yours)")
+    print(f"your old copy is kept as {backup}" if backup else "(the old had no changes of yours)")
     return 0
 
 

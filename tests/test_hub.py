@@ -163,7 +163,10 @@ def test_standin_with_notice(env, capsys):
     model = load_model(QWEN3)
     out, err = capsys.readouterr()
     assert model.is_standin and model.source == "stand-in" and out == ""
-    assert err == f"qwen_mini: no weights found for {QWEN3}; using its stand-in (tiny, random: gibberish).\n"
+    assert (
+        err == f"qwen_mini: no weights found for {QWEN3}; using its stand-in (tiny, random: "
+        "gibberish).\n"
+    )
     more = standin_help(QWEN3)  # what the command line adds
     for words in ("Looked in", "QWEN_MINI_WEIGHTS", str(env / "hf"), "download=True",
                   "qwen-mini download Qwen/Qwen3-0.6B"):  # fmt: skip

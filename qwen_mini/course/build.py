@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {rel(path)}")
     for path in stale:
         if not holds_work(path):  # one the build wrote; anything else is a learner's own file
-            print(f"warning: {rel(path)} has no source in solutions/; delete it if it is not needed")
+            print(f"warning: {rel(path)} has no source in solutions/; delete it if not needed")
     for path in kept:
         print(
             f"not overwritten: {rel(path)} has changes of its own (answers, outputs or cells "
