@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.check:
         for path in changed:
-            mine = " (changed since it was generated)" if path in kept else ""
+            mine = " (holds changes of its own: the build leaves it alone)" if path in kept else ""
             print(f"out of date: {rel(path)}{mine}")
         for path in stale:
             print(f"no source in solutions/: {rel(path)} (delete it, or restore its notebook)")
