@@ -5,6 +5,7 @@
     qwen-mini download Qwen/Qwen3-0.6B   (the real weights, once, on a machine that is online)
     qwen-mini doctor
     qwen-mini grade ...            (see `qwen-mini grade --help`)
+    qwen-mini export ...           (nbgrader or Gradescope; see `qwen-mini export --help`)
 
 Generated text goes to stdout; notices (stand-in model, sampling settings) go to stderr, so
 `qwen-mini generate ... > out.txt` keeps only the text.
@@ -87,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "grade", help="grade submitted notebooks (qwen-mini grade --help)", add_help=False
     )
+    sub.add_parser(
+        "export", help="a chapter for nbgrader or Gradescope (qwen-mini export --help)", add_help=False
+    )
     return parser
 
 
@@ -96,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         from .course.grading.cli import main as grade_cli
 
         return grade_cli(argv[1:])
+    if argv[:1] == ["export"]:  # so does exporting
+        from .course.export import main as export_cli
+
+        return export_cli(argv[1:])
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help or a usage error: argparse has printed the message
