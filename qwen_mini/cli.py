@@ -89,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
         "grade", help="grade submitted notebooks (qwen-mini grade --help)", add_help=False
     )
     sub.add_parser(
-        "export", help="a chapter for nbgrader or Gradescope (qwen-mini export --help)", add_help=False
+        "export",
+        help="a chapter for nbgrader or Gradescope (qwen-mini export --help)",
+        add_help=False,
     )
     return parser
 

@@ -31,10 +31,10 @@ from nbgrader.api import Gradebook  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTER, ASSIGNMENT = 0, "ch00_foundations"
 NOTEBOOK = f"{ASSIGNMENT}.ipynb"
-ENV = {
-    k: v for k, v in os.environ.items() if k not in ("QWEN_MINI_WEIGHTS", "QWEN_MINI_DOWNLOAD")
-}
+ENV = {k: v for k, v in os.environ.items() if k not in ("QWEN_MINI_WEIGHTS", "QWEN_MINI_DOWNLOAD")}
 ENV.update(HF_HUB_OFFLINE="1", QWEN_MINI_CHECKS="learner", OMP_NUM_THREADS="1")
+# nbgrader runs `alembic` (and the kernel) from PATH: this environment's, as if activated
+ENV["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), ENV.get("PATH", "")])
 
 
 def _run(cmd: list[str], cwd: Path, **env) -> subprocess.CompletedProcess:
@@ -57,7 +57,9 @@ def _answer(release: dict, source: dict, answered: dict[str, str]) -> dict:
     """The release notebook with the solution cells in `answered` ({grade_id: "solve" or
     "wrong"}) filled in: with the solution (markers removed), or with `return None` in place of
     the solution region (inside a function: a wrong answer, not a syntax error)."""
-    solutions = {c["metadata"]["nbgrader"]["grade_id"]: nbs.source(c) for c in _solution_cells(source)}
+    solutions = {
+        c["metadata"]["nbgrader"]["grade_id"]: nbs.source(c) for c in _solution_cells(source)
+    }
     out = json.loads(json.dumps(release))
     for cell in _solution_cells(out):
         how = answered.get(cell["metadata"]["nbgrader"]["grade_id"])
@@ -163,7 +165,8 @@ def _nbgrader_messages(nb: dict) -> dict[str, str]:
         if errors:
             found[exercise] = errors[0]["evalue"]
         else:
-            text = "".join(o.get("text", "") for o in cell["outputs"] if o.get("name") == "stdout")
+            streams = [o for o in cell["outputs"] if o.get("name") == "stdout"]
+            text = "".join(nbs.source({"source": o["text"]}) for o in streams)
             found[exercise] = text.strip().splitlines()[-1].split(": ", 1)[1]
     return found
 
@@ -205,7 +208,10 @@ def test_gradescope_bundle_installs_the_cpu_torch_and_the_package(bundle):
     import torch
 
     version = torch.__version__.split("+")[0]
-    assert f'pip install "torch=={version}" --extra-index-url https://download.pytorch.org/whl/cpu' in setup
+    assert (
+        f'pip install "torch=={version}" --extra-index-url https://download.pytorch.org/whl/cpu'
+        in setup
+    )
     assert "pip install -e /autograder/source/qwen-mini" in setup
     package = bundle / "qwen-mini"
     assert (package / "pyproject.toml").is_file() and (package / "qwen_mini" / "cli.py").is_file()

@@ -33,18 +33,19 @@ WIDGET_NOTE = (
     "`make lab`.*"
 )
 
-CONF = '''# Written by python -m qwen_mini.course.site: the Sphinx settings of the course site.
+CONF = """# Written by python -m qwen_mini.course.site: the Sphinx settings of the course site.
 project = "qwen-mini"
 html_title = "qwen-mini: build Qwen3 and Qwen3.5 from scratch"
-extensions = ["myst_nb", "sphinx_mathjax_offline"]
+extensions = ["myst_nb", "sphinx-mathjax-offline"]  # MathJax served from the site
 nb_execution_mode = "off"  # the notebooks were run before Sphinx sees them
 myst_enable_extensions = ["dollarmath", "amsmath"]
 html_theme = "sphinx_book_theme"
 html_theme_options = {"show_toc_level": 2, "use_download_button": False}
-html_last_updated_fmt = None
+html_context = {"default_mode": "auto"}  # the theme's script logs an error when none is set
 exclude_patterns = ["_build", "**.ipynb_checkpoints"]
-suppress_warnings = ["mystnb.unknown_mime_type"]
-'''
+suppress_warnings = ["mystnb.unknown_mime_type", "myst.header"]  # the notebooks skip levels
+html_copy_source = False
+"""
 
 INDEX = """# qwen-mini
 

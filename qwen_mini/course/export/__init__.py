@@ -62,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
             from .gradescope import write_bundle
 
             if args.zip.suffix != ".zip":
-                print(f"qwen-mini export: error: {args.zip}: name the bundle FILE.zip", file=sys.stderr)
+                print(
+                    f"qwen-mini export: error: {args.zip}: name the bundle FILE.zip",
+                    file=sys.stderr,
+                )
                 return 2
             names = write_bundle(args.chapter, args.zip, args.solutions)
             print(f"wrote {args.zip} ({len(names)} files): upload it as the autograder")

@@ -33,7 +33,7 @@ SCHEMA_VERSION = 3  # nbgrader 0.9's cell metadata
 # nbgrader sets this while it runs a notebook: "validate" or "autograde"
 EXECUTION_ENV = "NBGRADER_EXECUTION"
 
-CONFIG = '''"""nbgrader configuration for qwen-mini chapter {chapter} (written by `qwen-mini export nbgrader`).
+CONFIG = '''"""nbgrader settings for qwen-mini chapter {chapter} (`qwen-mini export nbgrader`).
 
 Run nbgrader from this folder:  nbgrader generate_assignment {assignment}
                                 nbgrader autograde {assignment}
@@ -41,11 +41,11 @@ Run nbgrader from this folder:  nbgrader generate_assignment {assignment}
 
 c = get_config()  # noqa: F821 (nbgrader provides it)
 c.CourseDirectory.course_id = "qwen-mini-{assignment}"
-c.CourseDirectory.root = "."
 # A chapter notebook runs in about a minute on a 2-core CPU; some cells train a tiny model.
 c.ExecutePreprocessor.timeout = {timeout}
 # The learner copy's stub, as in the course notebooks: the checks report "not implemented yet".
-c.ClearSolutions.code_stub = {{"python": 'raise NotImplementedError("replace this line with your code")'}}
+STUB = 'raise NotImplementedError("replace this line with your code")'
+c.ClearSolutions.code_stub = {{"python": STUB}}
 '''
 
 
