@@ -187,6 +187,21 @@ def test_nbgrader_autograde_matches_grade(course, graded):
                 assert messages[exercise] == entry["message"], (student, exercise)
 
 
+def test_export_errors_say_what_to_do(tmp_path, capsys):
+    assert cli(["export", "nbgrader", "--chapter", "9", str(tmp_path / "c")]) == 1
+    assert "expected one" in capsys.readouterr().err and not (tmp_path / "c").exists()
+    assert cli(["export", "gradescope", "--chapter", "0", str(tmp_path / "bundle.tar")]) == 2
+    assert "FILE.zip" in capsys.readouterr().err and not (tmp_path / "bundle.tar").exists()
+
+
+def test_an_edited_nbgrader_config_is_kept(tmp_path, capsys):
+    (tmp_path / "nbgrader_config.py").write_text("c = get_config()  # mine\n")
+    assert cli(["export", "nbgrader", "--chapter", "0", str(tmp_path)]) == 0
+    assert (tmp_path / "nbgrader_config.py").read_text() == "c = get_config()  # mine\n"
+    assert "kept your" in capsys.readouterr().out
+    assert (tmp_path / "source" / ASSIGNMENT / NOTEBOOK).is_file()
+
+
 # --- Gradescope ----------------------------------------------------------------------------------
 
 
