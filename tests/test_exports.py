@@ -19,14 +19,12 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from nbgrader.api import Gradebook  # nbgrader is in the dev extra
 
 from qwen_mini.cli import main as cli
 from qwen_mini.course import checking
 from qwen_mini.course import notebooks as nbs
 from qwen_mini.course.grading import main as grade
-
-pytest.importorskip("nbgrader", reason="nbgrader is in the dev extra: pip install -e '.[dev]'")
-from nbgrader.api import Gradebook  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTER, ASSIGNMENT = 0, "ch00_foundations"

@@ -27,7 +27,6 @@ from pathlib import Path
 
 from .. import checking
 from .. import notebooks as nbs
-from ..grading.plan import load_reference
 
 SCHEMA_VERSION = 3  # nbgrader 0.9's cell metadata
 # nbgrader sets this while it runs a notebook: "validate" or "autograde"
@@ -65,7 +64,7 @@ def _meta(grade_id: str, *, solution: bool, grade: bool, points: float = 0) -> d
     return meta
 
 
-def test_source(exercise_id: str, name: str) -> str:
+def autograder_source(exercise_id: str, name: str) -> str:
     call = f'autograde("{exercise_id}", "{name}", globals()'
     return "\n".join(
         [
@@ -90,7 +89,7 @@ def _test_cell(exercise: checking.Exercise, name: str) -> dict:
                               points=exercise.points)
         },
         "outputs": [],
-        "source": nbs.source_lines(test_source(exercise.id, name)),
+        "source": nbs.source_lines(autograder_source(exercise.id, name)),
     }  # fmt: skip
 
 
@@ -132,6 +131,8 @@ def write_course(
 ) -> Path:
     """Write the nbgrader course folder for `chapter` into `folder` (with `keep_config`, leave an
     existing nbgrader_config.py as it is); return the source notebook."""
+    from ..grading.plan import load_reference  # not imported by the test cells' `autograde`
+
     ref = load_reference(solutions, chapter)
     assignment = ref.notebook.stem
     nb = source_notebook(nbs.load(ref.notebook), ref.notebook, ref.exercises, ref.names)
