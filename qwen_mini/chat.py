@@ -323,7 +323,7 @@ def plain_tokenizer(tokenizer):
     if key not in _PLAIN:
         import tokenizers
 
-        spec = json.loads(tokenizer.path.read_text(encoding="utf-8"))
+        spec = tokenizer.tokenizer_json()
         spec["added_tokens"] = []
         _PLAIN[key] = tokenizers.Tokenizer.from_str(json.dumps(spec))
     return _PLAIN[key]

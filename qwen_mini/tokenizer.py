@@ -138,6 +138,10 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(int(i))
 
+    def tokenizer_json(self) -> dict:
+        """The loaded tokenizer.json as a dict (for the compressed Qwen3.5 file too)."""
+        return json.loads(self._tok.to_str())
+
     def __len__(self) -> int:
         return self.vocab_size
 
