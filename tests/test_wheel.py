@@ -130,3 +130,10 @@ def test_the_wheel_generates_what_the_clone_generates(probe, name):
 
 def test_the_chat_template_renders_from_the_wheel(probe):
     assert probe["Qwen/Qwen3-0.6B"]["chat"] == CHAT
+
+
+def test_a_missing_data_folder_is_named_with_what_to_do():
+    from qwen_mini.config import _package_folder
+
+    with pytest.raises(RuntimeError, match=r"data folder .*nowhere.* is missing.*Reinstall"):
+        _package_folder("nowhere")
