@@ -19,8 +19,8 @@ def _package_folder(name: str) -> Path:
     if not isinstance(folder, Path) or not folder.is_dir():
         raise RuntimeError(
             f"qwen_mini's data folder {folder} is missing or not on disk. Reinstall the package "
-            "from a wheel or a clone (`pip install qwen-mini`, or `pip install -e .` in the clone)"
-            "; a zipped install cannot hand its tokenizer files to the tokenizers library."
+            "unzipped, from its wheel (`pip install --force-reinstall qwen_mini-*.whl`) or from "
+            "a clone (`pip install -e .`): the tokenizers library opens its files by name."
         )
     return folder
 

@@ -361,8 +361,8 @@ def _vendored(folder: Path) -> Path:
     if _tokenizer_file(folder) is None:
         raise FileNotFoundError(
             f"The vendored tokenizer files are missing from {folder}. They ship inside the "
-            "package: reinstall qwen_mini (`pip install --force-reinstall qwen-mini`, or "
-            "`pip install -e .` in a clone)."
+            "package: reinstall qwen_mini from its wheel (`pip install --force-reinstall "
+            "qwen_mini-*.whl`) or from a clone (`pip install -e .`)."
         )
     return folder
 
