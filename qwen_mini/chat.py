@@ -323,7 +323,9 @@ def plain_tokenizer(tokenizer):
     if key not in _PLAIN:
         import tokenizers
 
-        spec = tokenizer.tokenizer_json()
+        from qwen_mini.tokenizer import read_tokenizer_json
+
+        spec = read_tokenizer_json(tokenizer.path)  # the Qwen3.5 file is gzipped
         spec["added_tokens"] = []
         _PLAIN[key] = tokenizers.Tokenizer.from_str(json.dumps(spec))
     return _PLAIN[key]

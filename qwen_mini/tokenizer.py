@@ -138,10 +138,6 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(int(i))
 
-    def tokenizer_json(self) -> dict:
-        """The loaded tokenizer.json as a dict (for the compressed Qwen3.5 file too)."""
-        return json.loads(self._tok.to_str())
-
     def __len__(self) -> int:
         return self.vocab_size
 
@@ -272,6 +268,12 @@ def _read_chat_template(folder: Path) -> str | None:
 def _read_config(folder: Path) -> dict:
     path = folder / "tokenizer_config.json"
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def read_tokenizer_json(path: Path) -> dict:
+    """A tokenizer.json file as a dict, also when it is stored compressed (tokenizer.json.gz)."""
+    raw = Path(path).read_bytes()
+    return json.loads(gzip.decompress(raw) if Path(path).suffix == ".gz" else raw)
 
 
 def _tokenizer_file(folder: Path) -> Path | None:
