@@ -64,9 +64,12 @@ def torch_version() -> str:
 
 
 def package_files(root: Path) -> list[Path]:
-    """The files `pip install -e` needs: the package, its assets, its metadata."""
+    """The files `pip install -e` needs: the package, its assets (in the package, or beside it in
+    an older layout), its metadata."""
     found = [root / "pyproject.toml", root / "README.md"]
     for folder in ("qwen_mini", "assets"):
+        if not (root / folder).is_dir():
+            continue
         found += sorted(
             p
             for p in (root / folder).rglob("*")
