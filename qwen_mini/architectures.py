@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .attention import Attention
+from .attention import Attention, GatedAttention
 from .config import Config
-from .deltanet import GatedAttention, GatedDeltaNet, ZeroCentredRMSNorm
-from .foundations import MLP, RMSNorm
+from .deltanet import GatedDeltaNet
+from .mlp import MLP
 from .moe import qwen3_moe_mlp
+from .norms import RMSNorm, ZeroCentredRMSNorm
 
 # the checkpoint's name for a layer's mixer, by the layer type config.json gives it
 MIXER_ATTRIBUTE = {"full_attention": "self_attn", "linear_attention": "linear_attn"}

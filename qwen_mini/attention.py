@@ -1,14 +1,17 @@
-# Generated from solutions/ch01_attention.ipynb by python -m qwen_mini.course.build —
-# edit the notebook, not this file.
+# Generated from solutions/ch01_attention.ipynb, solutions/ch05_deltanet.ipynb
+# by python -m qwen_mini.course.build — edit the notebooks, not this file.
 
-"""Chapter 1: causal self-attention with grouped KV heads, a KV cache and KV-cache sizes."""
+"""Causal self-attention with grouped KV heads and a KV cache (Qwen2, Qwen3), and the gated
+attention of Qwen3.5 written as its difference from it.
+"""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from qwen_mini.config import Config
-from qwen_mini.foundations import RMSNorm, apply_rope
+from qwen_mini.norms import RMSNorm, ZeroCentredRMSNorm
+from qwen_mini.rope import apply_partial_rope, apply_rope
 
 
 def causal_mask(t_new: int, t_total: int, device=None) -> torch.Tensor:
@@ -162,19 +165,42 @@ class Attention(nn.Module):
         return KVCache(batch_size, self.n_kv_heads, self.head_dim, dtype, device or "cpu")
 
 
-def kv_bytes_per_token(cfg, dtype_bytes: int = 2) -> int:
-    """Bytes the KV cache grows by when one more token is cached."""
-    # every layer stores a key and a value vector of head_dim numbers for each KV head
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+class GatedAttention(nn.Module):
+    """Qwen3.5's full attention: grouped-query attention with zero-centred QK-Norm, partial RoPE
+    and an output gate. q_proj makes 2 * head_dim per head, query then gate: [.., H, 2D]."""
 
+    def __init__(self, cfg: Config, layer_idx: int = 0):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = D = cfg.head_dim
+        hidden, bias = cfg.hidden_size, cfg.qkv_bias
+        self.q_proj = nn.Linear(hidden, self.n_heads * D * 2, bias=bias)  # query and gate
+        self.k_proj = nn.Linear(hidden, self.n_kv_heads * D, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.n_kv_heads * D, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * D, hidden, bias=cfg.o_bias)
+        self.q_norm = ZeroCentredRMSNorm(D, cfg.rms_norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(D, cfg.rms_norm_eps)
 
-def regroup_kv_heads(w: torch.Tensor, head_dim: int, n_kv_new: int) -> torch.Tensor:
-    """[n_kv * head_dim, ...] -> [n_kv_new * head_dim, ...]: repeat heads, or average them."""
-    n_kv = w.shape[0] // head_dim
-    heads = w.reshape(n_kv, head_dim, *w.shape[1:])
-    if n_kv_new >= n_kv:  # each head copied next to itself: query head h still finds h // n_rep
-        heads = heads.repeat_interleave(n_kv_new // n_kv, dim=0)
-    else:  # neighbours share queries in GQA, so neighbours are merged; average in float32
-        group = heads.reshape(n_kv_new, n_kv // n_kv_new, head_dim, *w.shape[1:])
-        heads = group.float().mean(dim=1).to(w.dtype)
-    return heads.reshape(n_kv_new * head_dim, *w.shape[1:])
+    def new_state(self, batch_size: int, dtype: torch.dtype, device=None) -> KVCache:
+        return KVCache(batch_size, self.n_kv_heads, self.head_dim, dtype, device)
+
+    def forward(self, x, cos, sin, cache: KVCache | None = None):
+        """x [B, T, hidden] -> [B, T, hidden]; cos, sin [T, rotary_dim] (rotary_dim <= head_dim)."""
+        B, T, _ = x.shape
+        D = self.head_dim
+        q, gate = self.q_proj(x).view(B, T, self.n_heads, 2 * D).split(D, dim=-1)  # interleaved
+        gate = gate.reshape(B, T, self.n_heads * D)
+        q = self.q_norm(q).transpose(1, 2)  # [B, H, T, D]: norm before RoPE, as in Qwen3
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, D)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, D).transpose(1, 2)
+        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v)  # [B, H_kv, T_total, D]
+        t_total = k.shape[2]
+        mask = None if T == 1 else causal_mask(T, t_total, x.device)
+        n_rep = self.n_heads // self.n_kv_heads
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T, D]
+        out = merge_heads(out) * torch.sigmoid(gate)  # the gate: each output channel, 0..1
+        return self.o_proj(out)

@@ -1,8 +1,9 @@
 # Generated from solutions/ch04_thinking.ipynb by python -m qwen_mini.course.build —
 # edit the notebook, not this file.
 
-"""Chapter 4: the Qwen3 chat template written by hand, reasoning parsing, the thinking budget,
-injection-safe encoding and a chat session that reuses its KV cache across turns."""
+"""The Qwen3 chat template written by hand, reasoning parsing, the thinking budget,
+injection-safe encoding and a chat session that reuses its KV cache across turns.
+"""
 
 import json
 import re

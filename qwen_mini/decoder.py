@@ -1,16 +1,17 @@
 # Generated from solutions/ch01_attention.ipynb by python -m qwen_mini.course.build —
 # edit the notebook, not this file.
 
-"""Chapter 1, second part: the decoder layer, the model's forward pass, loading the weights, and
-the generation loop. `qwen_mini.model` builds the model from these; `qwen_mini.checkpoint` and
-`qwen_mini.generation` add the checks around them."""
+"""The decoder layer, the model's forward pass, loading the weights by checkpoint name, and the
+generation loop. `qwen_mini.model` builds the model from these; `qwen_mini.checkpoint` and
+`qwen_mini.generation` add the checks around them.
+"""
 
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 
-from qwen_mini.foundations import rope_cos_sin
+from qwen_mini.rope import rope_cos_sin
 
 
 class DecoderLayer(nn.Module):

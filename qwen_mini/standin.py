@@ -15,8 +15,8 @@ import torch
 
 from .checkpoint import build_model, checkpoint_name, expected_shapes, meta_model, validate
 from .config import Config
-from .deltanet import ZeroCentredRMSNorm
 from .model import CausalLM
+from .norms import ZeroCentredRMSNorm
 
 # shared by both stand-ins: small, but with grouped KV heads (4 query heads share 2 KV heads)
 _TINY = dict(

@@ -1,5 +1,6 @@
 """Running a model needs neither transformers (the test oracle) nor huggingface_hub (downloads
-only), and imports nothing from the course room (qwen_mini.course: checks, build, grading)."""
+only), and imports nothing from the course room (qwen_mini.course: checks, build, grading, the
+chapters' experiments in qwen_mini.course.lab)."""
 
 import os
 import subprocess
@@ -10,10 +11,12 @@ import sys
 sys.modules["transformers"] = None  # any import of it now raises ImportError
 sys.modules["huggingface_hub"] = None
 import qwen_mini
-model = qwen_mini.load_model("Qwen/Qwen3-0.6B")
-tok = qwen_mini.load_tokenizer("Qwen/Qwen3-0.6B")
-text = qwen_mini.generate(model, tok, "Hello", max_new_tokens=4, temperature=0)
-assert isinstance(text, str) and model.is_standin
+import qwen_mini.cli  # the command line too
+for name in ("Qwen/Qwen3-0.6B", "Qwen/Qwen3.5-0.8B"):  # every kind of block: attention, DeltaNet
+    model = qwen_mini.load_model(name)
+    tok = qwen_mini.load_tokenizer(name)
+    text = qwen_mini.generate(model, tok, "Hello", max_new_tokens=4, temperature=0)
+    assert isinstance(text, str) and model.is_standin
 course = sorted(m for m in sys.modules if m.split(".")[:2] == ["qwen_mini", "course"])
 assert not course, course
 print("ok")

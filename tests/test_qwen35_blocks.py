@@ -12,15 +12,11 @@ from helpers import hf_config
 from transformers import Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
+from qwen_mini.attention import GatedAttention
 from qwen_mini.config import Config
-from qwen_mini.deltanet import (
-    DeltaNetState,
-    GatedAttention,
-    GatedDeltaNet,
-    GatedRMSNorm,
-    ZeroCentredRMSNorm,
-)
-from qwen_mini.foundations import rope_cos_sin
+from qwen_mini.deltanet import DeltaNetState, GatedDeltaNet
+from qwen_mini.norms import GatedRMSNorm, ZeroCentredRMSNorm
+from qwen_mini.rope import rope_cos_sin
 
 TOL = 1e-5
 

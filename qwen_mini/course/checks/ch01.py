@@ -27,8 +27,10 @@ from qwen_mini.course.checking import (
     register,
     seeded,
 )
-from qwen_mini.foundations import RMSNorm, apply_rope, rope_cos_sin
+from qwen_mini.course.lab import ch01 as lab
 from qwen_mini.model import CausalLM
+from qwen_mini.norms import RMSNorm
+from qwen_mini.rope import apply_rope, rope_cos_sin
 
 register(
     "ch01.causal_mask",
@@ -75,13 +77,13 @@ register(
 )
 register(
     "ch01.kv_bytes_per_token",
-    reference=ref.kv_bytes_per_token,
+    reference=lab.kv_bytes_per_token,
     points=1,
     title="KV-cache bytes per token from a config",
 )
 register(
     "ch01.regroup_kv_heads",
-    reference=ref.regroup_kv_heads,
+    reference=lab.regroup_kv_heads,
     points=2,
     title="Regroup KV heads: repeat (GQA -> MHA) or mean-pool (GQA -> MQA)",
 )
@@ -946,21 +948,21 @@ def _(regroup_kv_heads):
     expect_close(
         "weight 4 -> 8 heads",
         regroup_kv_heads(w, 8, 8),
-        ref.regroup_kv_heads(w, 8, 8),
+        lab.regroup_kv_heads(w, 8, 8),
         atol=0,
         rtol=0,
     )
     expect_close(
         "bias 4 -> 8 heads",
         regroup_kv_heads(b, 8, 8),
-        ref.regroup_kv_heads(b, 8, 8),
+        lab.regroup_kv_heads(b, 8, 8),
         atol=0,
         rtol=0,
     )
     expect_close(
         "weight 4 -> 2 heads",
         regroup_kv_heads(w, 8, 2),
-        ref.regroup_kv_heads(w, 8, 2),
+        lab.regroup_kv_heads(w, 8, 2),
         atol=1e-6,
         rtol=1e-6,
     )

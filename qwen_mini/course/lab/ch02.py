@@ -1,8 +1,10 @@
 # Generated from solutions/ch02_qk_norm.ipynb by python -m qwen_mini.course.build —
 # edit the notebook, not this file.
 
-"""Chapter 2: QKV bias (Qwen2.5) against QK-Norm (Qwen3); attention-logit statistics; a tiny
-Qwen3-shaped model trained on Python source, with and without QK-Norm, to watch the logits grow."""
+"""Experiments of the QK-Norm chapter: QKV bias (Qwen2.5) against QK-Norm (Qwen3), attention-
+logit statistics, and a tiny Qwen3-shaped model trained on Python source, with and without
+QK-Norm, to watch the logits grow. Not used to run a model.
+"""
 
 import math
 
@@ -12,8 +14,8 @@ from torch import nn
 
 from qwen_mini.attention import causal_mask, repeat_kv, split_heads
 from qwen_mini.config import ASSETS, Config
-from qwen_mini.foundations import apply_rope
 from qwen_mini.model import CausalLM
+from qwen_mini.rope import apply_rope
 
 
 def bias_logit_terms(qx: torch.Tensor, kx: torch.Tensor, b_q: torch.Tensor, b_k: torch.Tensor):
