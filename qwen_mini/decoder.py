@@ -62,6 +62,12 @@ def model_forward(model, input_ids: torch.Tensor, cache=None, last_only: bool = 
     return model.lm_head(x)  # [B, T, vocab]
 
 
+def checkpoint_key(name: str, prefix: str = "model.") -> str:
+    """The checkpoint's name for a parameter: what the model calls "model." sits under `prefix`
+    in the checkpoint (e.g. "model.language_model." in a multimodal one)."""
+    return prefix + name.removeprefix("model.") if name.startswith("model.") else name
+
+
 def load_weights(
     model: nn.Module,
     header: Mapping,
@@ -77,9 +83,9 @@ def load_weights(
     tied = model.config.tie_word_embeddings
     sources = {}
     for name in model.state_dict():  # a tied model lists the head and the embedding both
-        key = prefix + name.removeprefix("model.") if name.startswith("model.") else name
-        if tied and name == "lm_head.weight":
-            key = prefix + "embed_tokens.weight"  # the head is the embedding; a copy is not read
+        key = checkpoint_key(name, prefix)
+        if tied and name == "lm_head.weight":  # the head is the embedding; a copy is not read
+            key = checkpoint_key("model.embed_tokens.weight", prefix)
         if key not in header:
             raise KeyError(f"the checkpoint has no tensor {key!r} for the parameter {name!r}")
         sources[name] = key

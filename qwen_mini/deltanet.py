@@ -295,7 +295,16 @@ class GatedDeltaNet(nn.Module):
     gated delta rule -> GatedRMSNorm(., z = in_proj_z x) -> out_proj.
     """
 
-    def __init__(self, cfg: Config, layer_idx: int = 0):
+    # the config fields it is built from, which a config must set (> 0) for such layers
+    config_fields = (
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_conv_kernel_dim",
+    )
+
+    def __init__(self, cfg: Config, layer_idx: int = 0, arch=None):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_k, self.n_v = cfg.linear_num_key_heads, cfg.linear_num_value_heads

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .architectures import Architecture
 from .checkpoint import INDEX_FILE, SINGLE_FILE, load_checkpoint
 from .model import CausalLM
 from .standin import load_standin
@@ -182,18 +183,25 @@ def standin_notice(name: str, searched: list[str]) -> str:
 
 
 def load_model(
-    name_or_path: str | Path, dtype: torch.dtype | str | None = None, *, download: bool = False
+    name_or_path: str | Path,
+    dtype: torch.dtype | str | None = None,
+    *,
+    download: bool = False,
+    arch: Architecture | None = None,
 ) -> CausalLM:
     """Load a model by name ("Qwen/Qwen3-0.6B") or folder; the stand-in if no weights are found.
 
+    arch: the architecture row to build the model from (default: the row of its model_type);
+    pass one with your own blocks (`ARCHITECTURES["qwen3"].with_blocks(...)`) to run the real
+    weights, or the stand-in's, through them.
     The model's `source` says where it came from and `is_standin` whether it is the stand-in.
     """
     found = resolve(name_or_path, download=download)
     if found.path is not None:
-        return load_checkpoint(found.path, dtype)
+        return load_checkpoint(found.path, dtype, arch)
     name = known_name(str(name_or_path))
     print(standin_notice(name, found.searched), file=sys.stderr)
-    return load_standin(name, dtype)
+    return load_standin(name, dtype, arch)
 
 
 def describe(name_or_path: str | Path) -> str:

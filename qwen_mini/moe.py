@@ -147,7 +147,7 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         return super().forward(x) + shared
 
 
-def qwen3_moe_mlp(cfg: Config, layer_idx: int) -> nn.Module:
+def qwen3_moe_mlp(cfg: Config, layer_idx: int, arch=None) -> nn.Module:
     """The feed-forward block of a qwen3_moe model's layer layer_idx."""
     if not cfg.is_sparse_layer(layer_idx):
         return MLP(cfg.hidden_size, cfg.intermediate_size)

@@ -19,46 +19,39 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim], float32
+        """x divided by its root-mean-square, computed in float32 (every variant's first step)."""
         # bfloat16 keeps 8 bits of mantissa: the mean of squares must be taken in float32
-        dtype = x.dtype
         x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
+        return self.weight * self.normalize(x).to(x.dtype)
 
 
-class ZeroCentredRMSNorm(nn.Module):
+class ZeroCentredRMSNorm(RMSNorm):
     """RMSNorm with the scale stored as an offset from 1: x_hat * (1 + weight), weight starts at 0.
 
     Qwen3.5's decoder norms and q/k norms. Loading such a weight into a plain `x_hat * weight`
     norm multiplies every activation by a number near 0: the classic silent mistake.
     """
 
+    zero_centred = True  # its neutral weight is 0, not 1 (where a fresh model or a stand-in starts)
+
     def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)  # an offset of 0: the scale starts at 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
-        x32 = x.float()  # mean of squares in float32, as every RMSNorm here
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)  # scale in float32, then cast
+        return (self.normalize(x) * (1.0 + self.weight.float())).to(x.dtype)  # scale in float32
 
 
-class GatedRMSNorm(nn.Module):
+class GatedRMSNorm(RMSNorm):
     """The output norm of Gated DeltaNet: x_hat * weight * silu(z), per value head.
 
     A plain weight (not zero-centred, unlike the decoder norms): checkpoint key `linear_attn.norm`.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # [..., d_v] twice
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        x = self.weight * x32.to(dtype)  # normalise first, then the learned scale ...
-        return (x * F.silu(z.float())).to(dtype)  # ... then the gate (in float32)
+        x = self.weight * self.normalize(x).to(x.dtype)  # normalise first, then the scale ...
+        return (x * F.silu(z.float())).to(x.dtype)  # ... then the gate (in float32)

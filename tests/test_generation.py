@@ -8,7 +8,8 @@ import torch
 from helpers import tiny_config
 from torch import nn
 
-from qwen_mini import CausalLM, Config
+from qwen_mini import CausalLM
+from qwen_mini.architectures import config_from_dict
 from qwen_mini.generation import (
     Sampling,
     apply_presence_penalty,
@@ -47,7 +48,7 @@ class FakeLM(nn.Module):
 
     def __init__(self, logits_for, vocab_size=97, max_positions=64, eos=(96,)):
         super().__init__()
-        self.config = Config.from_dict(
+        self.config = config_from_dict(
             {
                 **TINY,
                 "vocab_size": vocab_size,
@@ -362,7 +363,7 @@ def test_generate_accepts_ids_and_streams_random_model_text(tokenizer):
         "num_key_value_heads": 1,
         "max_position_embeddings": 256,
     }
-    model = CausalLM(Config.from_dict(cfg)).eval()
+    model = CausalLM(config_from_dict(cfg)).eval()
     kw = dict(max_new_tokens=40, temperature=1.0, seed=3, eos_token_ids=[])
     text = generate(model, tokenizer, [9707, 11], **kw)
     streamed = "".join(generate(model, tokenizer, [9707, 11], stream=True, **kw))

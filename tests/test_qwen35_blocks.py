@@ -12,6 +12,7 @@ from helpers import hf_config
 from transformers import Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
+from qwen_mini.architectures import config_from_dict
 from qwen_mini.attention import GatedAttention
 from qwen_mini.config import Config
 from qwen_mini.deltanet import DeltaNetState, GatedDeltaNet
@@ -48,7 +49,7 @@ def randomize(module: torch.nn.Module, seed: int = 0) -> None:
 
 def ours_config(cfg: Qwen3_5TextConfig) -> Config:
     """The same config as qwen_mini reads it from config.json."""
-    return Config.from_dict(cfg.to_dict())
+    return config_from_dict(cfg.to_dict())
 
 
 def deltanet_pair(value_heads: int = 4, seed: int = 0):

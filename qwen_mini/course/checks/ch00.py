@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from qwen_mini import mlp, norms, rope, safetensors_file
+from qwen_mini.architectures import config_from_dict
 from qwen_mini.config import ASSETS, Config
 from qwen_mini.course.checking import (
     expect_close,
@@ -846,7 +847,7 @@ def _(count_params):
 
 def _model_count(d: dict) -> tuple[int, int]:
     """(unique, total) of a real qwen_mini model built from the (tiny) config."""
-    m = CausalLM(Config.from_dict(d))
+    m = CausalLM(config_from_dict(d))
     unique = sum(p.numel() for p in m.parameters())
     total = sum(p.numel() for _, p in m.named_parameters(remove_duplicate=False))
     return unique, total
@@ -912,19 +913,16 @@ def _(count_params):
 
 
 def _tiny_tied_model(seed: int, vocab: int = 40, hidden: int = 16) -> CausalLM:
-    cfg = Config.from_dict(
-        dict(
-            model_type="qwen3",
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=32,
-            num_hidden_layers=0,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
-            max_position_embeddings=64,
-            tie_word_embeddings=True,
-        )
+    cfg = Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=32,
+        num_hidden_layers=0,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
     )
     torch.manual_seed(seed)
     m = CausalLM(cfg)

@@ -14,6 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from qwen_mini.architectures import ARCHITECTURES
 from qwen_mini.attention import Attention, merge_heads, repeat_kv, split_heads
 from qwen_mini.config import Config
 from qwen_mini.course.checking import (
@@ -192,13 +193,9 @@ def _attn(model_type: str, hidden=16, heads=4, kv_heads=2, head_dim=8, seed=0) -
         head_dim=head_dim,
         max_position_embeddings=64,
         rope_theta=10000.0,
-        rms_norm_eps=1e-6,
         tie_word_embeddings=False,
-        qkv_bias=model_type == "qwen2",
-        o_bias=False,
-        qk_norm=model_type == "qwen3",
     )
-    attn = Attention(cfg, 0)
+    attn = Attention(cfg, 0, ARCHITECTURES[model_type])  # qwen2: QKV bias; qwen3: QK-Norm
     g = seeded(seed)
     with torch.no_grad():
         for name, p in attn.named_parameters():
@@ -470,8 +467,8 @@ def _(distinct_weights):
 
 
 def _tiny_lm(qk: bool, layers=2, seed=0) -> CausalLM:
-    cfg = lab.tiny_config(qk, hidden=32, layers=layers, heads=2)
-    model = lab.tiny_model(cfg, seed)
+    cfg = lab.tiny_config(hidden=32, layers=layers, heads=2)
+    model = lab.tiny_model(cfg, lab.tiny_arch(qk), seed)
     g = seeded(seed + 100)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -506,7 +503,8 @@ def _check_remove(fn, layers, seed):
         )
     if norms:
         raise AssertionError(f"{norms[0]} is still there: remove QK-Norm from every layer")
-    plain = CausalLM(lab.tiny_config(False, hidden=32, layers=layers, heads=2)).eval()
+    plain = CausalLM(lab.tiny_config(hidden=32, layers=layers, heads=2), lab.tiny_arch(False))
+    plain.eval()
     missing = sorted(set(plain.state_dict()) - set(got))
     if missing:
         raise AssertionError(f"{missing[0]} is missing: keep every tensor that is not a QK-Norm")
