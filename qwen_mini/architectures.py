@@ -16,7 +16,6 @@ flags. To build a model from other blocks, replace them in a row and pass it to 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,51 +26,10 @@ from .attention import Attention, GatedAttention
 from .config import Config
 from .decoder import DecoderLayer, model_forward
 from .deltanet import GatedDeltaNet
+from .families import QWEN3, QWEN3_5, Family
 from .mlp import MLP
 from .moe import qwen3_moe_mlp
 from .norms import RMSNorm, ZeroCentredRMSNorm
-
-
-@dataclass(frozen=True)
-class Family:
-    """What the models sharing a tokenizer and a chat format have in common."""
-
-    name: str  # "qwen3", "qwen3_5": the vendored tokenizer folder, the template family
-    repos: str  # regex of the Hugging Face repository names whose tokenizer this is
-    special_ids: Mapping[str, int]  # control-token ids, as in the published tokenizer files
-    # recommended sampling, from the model cards, by thinking on (True) or off (False)
-    sampling: Mapping[bool, Mapping[str, float]]
-
-    def owns(self, repo: str) -> bool:
-        """Whether the repository name (with or without "Qwen/") is one of this family's."""
-        return re.match(rf"^(Qwen/)?({self.repos})-", repo, re.IGNORECASE) is not None
-
-
-QWEN3 = Family(
-    "qwen3",
-    repos=r"Qwen2|Qwen2\.5|Qwen3",  # one BPE and the same ids since Qwen2
-    special_ids={"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645},
-    sampling={
-        True: dict(temperature=0.6, top_p=0.95, top_k=20, min_p=0.0),
-        False: dict(temperature=0.7, top_p=0.8, top_k=20, min_p=0.0),
-    },
-)
-QWEN3_5 = Family(
-    "qwen3_5",
-    repos=r"Qwen3\.[56]",
-    special_ids={
-        "<|endoftext|>": 248044,
-        "<|im_start|>": 248045,
-        "<|im_end|>": 248046,
-        "<think>": 248068,
-        "</think>": 248069,
-    },  # fmt: skip
-    sampling={
-        True: dict(temperature=1.0, top_p=0.95, top_k=20, presence_penalty=1.5),
-        False: dict(temperature=1.0, top_p=1.0, top_k=20, presence_penalty=2.0),
-    },
-)
-FAMILIES = {f.name: f for f in (QWEN3, QWEN3_5)}
 
 Block = Callable[[Config, int, "Architecture"], nn.Module]  # built as block(cfg, layer_idx, arch)
 
@@ -195,8 +153,3 @@ def config_from_file(path: str | Path, arch: Architecture | None = None) -> Conf
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e}).") from None
     return config_from_dict(d, str(path), arch)
-
-
-def family_of(repo: str) -> Family | None:
-    """The family whose tokenizer a Hugging Face repository name uses, or None."""
-    return next((f for f in FAMILIES.values() if f.owns(repo)), None)

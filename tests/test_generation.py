@@ -1,6 +1,7 @@
 """Generation: the cached decoding loop, the sampling filters, stopping, streaming, overflow."""
 
 import math
+from dataclasses import replace
 
 import helpers
 import pytest
@@ -304,10 +305,10 @@ def test_stops_at_the_eos_argument_and_yields_it_last():
 
 def test_eos_from_generation_config_then_config():
     model = scripted([10, 11, 12, 13], eos=96)
-    model.config.eos_token_ids = [12]
+    model.config = replace(model.config, eos_token_ids=(12,))
     assert list(generate_tokens(model, [1], max_new_tokens=10, temperature=0)) == [10, 11, 12]
     model = scripted([10, 11, 12, 13], eos=96)
-    model.config.eos_token_ids = [12]
+    model.config = replace(model.config, eos_token_ids=(12,))
     model.generation_config = {"eos_token_id": 11}  # wins over config.json
     assert list(generate_tokens(model, [1], max_new_tokens=10, temperature=0)) == [10, 11]
 
@@ -375,7 +376,7 @@ def test_generate_accepts_ids_and_streams_random_model_text(tokenizer):
 
 def test_overflow_is_refused_before_any_work():
     model = scripted([1, 2, 3])
-    model.config.max_position_embeddings = 64
+    model.config = replace(model.config, max_position_embeddings=64)
     with pytest.raises(ValueError, match=r"60 tokens.*64 positions.*at most 4"):
         generate_tokens(model, list(range(60)), max_new_tokens=10)  # raises at the call
     assert model.calls == 0

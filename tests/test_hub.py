@@ -33,7 +33,7 @@ REAL = {
 QWEN3 = "Qwen/Qwen3-0.6B"
 # what the stand-ins share with the real models (everything but the sizes)
 SAME_AS_REAL = ("model_type", "vocab_size", "rope_theta", "max_position_embeddings",
-                "tie_word_embeddings", "qkv_bias", "qk_norm", "dtype", "rms_norm_eps")  # fmt: skip
+                "tie_word_embeddings", "attention_bias", "dtype", "rms_norm_eps")  # fmt: skip
 
 
 def write_tiny(folder: Path, value: float = 0.01) -> Path:

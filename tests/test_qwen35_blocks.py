@@ -12,7 +12,7 @@ from helpers import hf_config
 from transformers import Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from qwen_mini.architectures import config_from_dict
+from qwen_mini.architectures import ARCHITECTURES, config_from_dict
 from qwen_mini.attention import GatedAttention
 from qwen_mini.config import Config
 from qwen_mini.deltanet import DeltaNetState, GatedDeltaNet
@@ -198,7 +198,7 @@ def attention_pair(seed: int = 0):
     cfg._attn_implementation = "eager"
     ref = hf.Qwen3_5Attention(cfg, 3).eval()
     randomize(ref, seed)
-    ours = GatedAttention(ours_config(cfg), 3).eval()
+    ours = GatedAttention(ours_config(cfg), 3, ARCHITECTURES["qwen3_5_text"]).eval()
     ours.load_state_dict(ref.state_dict())
     return ours, ref, cfg
 
