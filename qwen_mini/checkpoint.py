@@ -26,6 +26,7 @@ from .config import Config
 from .decoder import checkpoint_key, load_weights
 from .model import CausalLM
 from .runtime import convert_for_runtime
+from .safetensors_file import read_safetensors_header
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -178,10 +179,10 @@ def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
                 f"{path}: the header claims {n} bytes but the file holds {size}: the file is "
                 f"truncated or not a safetensors file. {redo}"
             )
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path}: the header is not valid JSON ({e}). {redo}") from None
+    try:
+        header = read_safetensors_header(path)  # the format's reader, once the size is known sane
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: the header is not valid JSON ({e}). {redo}") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: the header is not a table of tensors. {redo}")
     header.pop("__metadata__", None)

@@ -85,15 +85,23 @@ def _in_env(name: str, searched: list[str]) -> Path | None:
     return None
 
 
-def _in_hf_cache(name: str, searched: list[str]) -> Path | None:
-    """The snapshot `refs/main` points at, in the cache layout models--<org>--<name>/snapshots."""
-    repo = hf_cache_dir() / ("models--" + name.replace("/", "--"))
-    searched.append(f"Hugging Face cache: {repo}")
+def hf_cache_repo(name: str) -> Path:
+    """Where the Hugging Face cache keeps the repository `name` ("Qwen/Qwen3-0.6B")."""
+    return hf_cache_dir() / ("models--" + name.replace("/", "--"))
+
+
+def hf_cache_snapshot(name: str) -> Path | None:
+    """The snapshot `refs/main` points at, in the cache layout models--<org>--<name>/snapshots,
+    whatever it holds (weights, or only the tokenizer files); None if there is none."""
+    repo = hf_cache_repo(name)
     ref = repo / "refs" / "main"
-    if ref.is_file():
-        snapshot = repo / "snapshots" / ref.read_text().strip()
-        return snapshot if _has_weights(snapshot) else None
-    return None
+    return repo / "snapshots" / ref.read_text().strip() if ref.is_file() else None
+
+
+def _in_hf_cache(name: str, searched: list[str]) -> Path | None:
+    searched.append(f"Hugging Face cache: {hf_cache_repo(name)}")
+    snapshot = hf_cache_snapshot(name)
+    return snapshot if snapshot is not None and _has_weights(snapshot) else None
 
 
 def _looks_like_repo(name: str) -> bool:

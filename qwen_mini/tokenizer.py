@@ -339,16 +339,11 @@ def _tokenizer_in_hf_cache(name: str) -> Path | None:
     """The Hugging Face cache snapshot of `name` when it holds tokenizer.json, even without
     weights (transformers' AutoTokenizer.from_pretrained fetches only the tokenizer files)."""
     try:
-        from .hub import hf_cache_dir
+        from .hub import hf_cache_snapshot
     except ImportError:  # a checkout without the hub module
         return None
-    repo = name if "/" in name else f"Qwen/{name}"
-    cache = hf_cache_dir() / ("models--" + repo.replace("/", "--"))
-    ref = cache / "refs" / "main"
-    if not ref.is_file():
-        return None
-    snapshot = cache / "snapshots" / ref.read_text().strip()
-    return snapshot if (snapshot / "tokenizer.json").is_file() else None
+    snapshot = hf_cache_snapshot(name if "/" in name else f"Qwen/{name}")
+    return snapshot if snapshot is not None and (snapshot / "tokenizer.json").is_file() else None
 
 
 def _vendored(folder: Path) -> Path:
