@@ -130,7 +130,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
-        if arch.qk_norm:  # given: one norm over head_dim, shared by all heads (chapter 2)
+        if arch.qk_norm:  # given: one norm over head_dim, shared by all heads
             self.q_norm = arch.norm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = arch.norm(self.head_dim, cfg.rms_norm_eps)
         else:

@@ -336,7 +336,7 @@ def build_model(
     model: CausalLM | None = None,
 ) -> CausalLM:
     """Fill a model built on the meta device (`model`, or a new one) with validated tensors (by
-    checkpoint name), through chapter 1's `load_weights`, with no copy unless `dtype` asks for
+    checkpoint name), through the decoder's `load_weights`, with no copy unless `dtype` asks for
     one; then apply the runtime speed-ups."""
     dtype = _dtype(dtype)
     model = model if model is not None else meta_model(cfg)

@@ -182,7 +182,7 @@ def chunk_gated_delta_rule(
     """The same rule, chunk by chunk: (output [B, T, H_v, d_v], final state fp32).
 
     Inside a chunk of C tokens, with G the cumulative log-decay from the chunk start and S0 the
-    state entering the chunk, unrolling the recurrence gives (derivation in chapter 5)
+    state entering the chunk, unrolling the recurrence gives
 
         (I + A) U = beta*V - beta*exp(G)*K S0,   A[t, s] = beta_t exp(G_t - G_s) k_t.k_s, s < t
         O  = exp(G) * Q S0 + (Q K^T * M) U,      M[t, s] = exp(G_t - G_s), s <= t

@@ -34,3 +34,17 @@ def test_runs_without_transformers_and_huggingface_hub(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
     assert "STAND-IN" in done.stderr  # the learner is told
+
+
+def test_no_model_module_names_a_chapter():
+    """Notes for learners belong in the notebooks; the model's modules speak of the model (the
+    generated header, which names the source notebooks, aside)."""
+    import re
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "qwen_mini"
+    for module in sorted(package.glob("*.py")):
+        lines = module.read_text(encoding="utf-8").splitlines()
+        body = [line for line in lines if not line.startswith(("# Generated from", "# by python"))]
+        found = [line for line in body if re.search(r"\bchapters?\b|\bch0\d", line, re.I)]
+        assert not found, f"{module.name}: {found[0].strip()}"
