@@ -39,6 +39,11 @@ def dense_mlp(cfg: Config, layer_idx: int, arch: Architecture) -> nn.Module:
     return MLP(cfg.hidden_size, cfg.intermediate_size)
 
 
+def token_embedding(cfg: Config, arch: Architecture) -> nn.Module:
+    """One learned vector per token id: what the checkpoint calls embed_tokens."""
+    return nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+
+
 @dataclass(frozen=True)
 class Architecture:
     """One row: the blocks of a model type and every fact that differs between model types."""
@@ -47,6 +52,7 @@ class Architecture:
     mlp: Block  # the feed-forward of layer i
     norm: Callable[[int, float], nn.Module] = RMSNorm  # decoder norms and q/k norms: (dim, eps)
     layer: type[nn.Module] = DecoderLayer  # the residual block holding mixer, mlp and norms
+    embedding: Callable[[Config, Architecture], nn.Module] = token_embedding  # (cfg, arch)
     forward: Callable = model_forward  # the pass: embedding -> layers -> final norm -> head
     family: Family = QWEN3  # tokenizer, chat template and sampling presets
     qkv_bias: bool = False  # a bias on q/k/v always, none on o_proj (Qwen2); else attention_bias
@@ -71,7 +77,7 @@ class Architecture:
         `mlp=...`, `norm=...`; mixers not named keep the row's."""
         if "mixers" in blocks:
             blocks["mixers"] = {**self.mixers, **blocks["mixers"]}
-        unknown = sorted(set(blocks) - {"mixers", "mlp", "norm", "layer", "forward"})
+        unknown = sorted(set(blocks) - {"mixers", "mlp", "norm", "layer", "embedding", "forward"})
         if unknown:
             raise TypeError(f"with_blocks: {unknown} are not blocks of an architecture row")
         return replace(self, **blocks)

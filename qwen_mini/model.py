@@ -33,7 +33,7 @@ class Backbone(nn.Module):
     def __init__(self, cfg: Config, arch: Architecture):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = arch.embedding(cfg, arch)
         self.layers = nn.ModuleList(build_layer(cfg, i, arch) for i in range(cfg.num_hidden_layers))
         self.norm = arch.norm(cfg.hidden_size, cfg.rms_norm_eps)
 
