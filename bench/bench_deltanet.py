@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, Qwen3_5ForCausalLM
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
+from qwen_mini.architectures import config_from_dict
 from qwen_mini.config import ASSETS
 from qwen_mini.deltanet import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from qwen_mini.generation import generate_tokens
@@ -68,7 +69,6 @@ def bench_rule(lengths: list[int], repeats: int) -> None:
 
 def bench_decode(layers: int | None, prompt_len: int, new: int) -> None:
     import qwen_mini
-    from qwen_mini.config import Config
 
     hf_cfg = AutoConfig.from_pretrained(CONFIG).text_config
     if layers:
@@ -76,7 +76,7 @@ def bench_decode(layers: int | None, prompt_len: int, new: int) -> None:
         hf_cfg.layer_types = hf_cfg.layer_types[:layers]
     torch.manual_seed(0)
     ref = Qwen3_5ForCausalLM(hf_cfg).eval()
-    cfg = Config.from_dict(hf_cfg.to_dict())
+    cfg = config_from_dict(hf_cfg.to_dict())
     ours = qwen_mini.CausalLM(cfg).eval()
     ours.load_state_dict(ref.state_dict())  # the same weights
     ours = convert_for_runtime(ours)  # what load_model runs: the threaded projections

@@ -1,5 +1,6 @@
 """qwen_mini: a small, readable PyTorch implementation of the Qwen3 and Qwen2.5 models."""
 
+from .architectures import ARCHITECTURES, Architecture, config_from_file
 from .checkpoint import CheckpointError
 from .config import ASSETS, Config
 from .generation import generate, generate_tokens
@@ -8,11 +9,14 @@ from .model import CausalLM
 from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
+    "ARCHITECTURES",
     "ASSETS",
+    "Architecture",
     "CausalLM",
     "CheckpointError",
     "Config",
     "Tokenizer",
+    "config_from_file",
     "generate",
     "generate_tokens",
     "load_model",

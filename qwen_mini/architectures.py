@@ -1,43 +1,96 @@
 """Which blocks each `model_type` is built from: the one table that tells the models apart.
 
 Every Qwen decoder layer is the same two residual branches, `x + mixer(norm(x))` then
-`x + mlp(norm(x))`; the models differ only in the blocks that fill them. Read the rows as diffs:
-Qwen2 → Qwen3 drops the q/k/v bias and adds QK-Norm. Adding an architecture is a row here plus the
-blocks its chapter exports; no `forward` anywhere asks which model it is running.
+`x + mlp(norm(x))`; the models differ only in the blocks that fill them and in a few flags. Read
+the rows as diffs: Qwen2 -> Qwen3 drops the q/k/v bias and adds QK-Norm. Adding an architecture
+is a row here plus the blocks it names; no `forward` anywhere asks which model it is running, and
+nothing outside this file tests a model's name or `model_type`.
+
+A block is built as `block(cfg, layer_idx, arch)`: the config gives the numbers, the row the
+flags. To build a model from other blocks, replace them in a row and pass it to the model:
+
+    row = dataclasses.replace(ARCHITECTURES["qwen3"], mixers={"full_attention": MyAttention})
+    model = CausalLM(cfg, arch=row)        # or load_model(name, arch=row) for real weights
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from torch import nn
 
-from .attention import Attention
+from .attention import Attention, GatedAttention
 from .config import Config
-from .deltanet import GatedAttention, GatedDeltaNet, ZeroCentredRMSNorm
-from .foundations import MLP, RMSNorm
+from .decoder import DecoderLayer, model_forward
+from .deltanet import GatedDeltaNet
+from .families import QWEN3, QWEN3_5, Family
+from .mlp import MLP
 from .moe import qwen3_moe_mlp
+from .norms import RMSNorm, ZeroCentredRMSNorm
 
-# the checkpoint's name for a layer's mixer, by the layer type config.json gives it
-MIXER_ATTRIBUTE = {"full_attention": "self_attn", "linear_attention": "linear_attn"}
+Block = Callable[[Config, int, "Architecture"], nn.Module]  # built as block(cfg, layer_idx, arch)
 
 
-def dense_mlp(cfg: Config, layer_idx: int) -> nn.Module:
-    """The SwiGLU feed-forward of chapter 0, the same in every layer."""
+def dense_mlp(cfg: Config, layer_idx: int, arch: Architecture) -> nn.Module:
+    """The SwiGLU feed-forward, the same in every layer."""
     return MLP(cfg.hidden_size, cfg.intermediate_size)
+
+
+def token_embedding(cfg: Config, arch: Architecture) -> nn.Module:
+    """One learned vector per token id: what the checkpoint calls embed_tokens."""
+    return nn.Embedding(cfg.vocab_size, cfg.hidden_size)
 
 
 @dataclass(frozen=True)
 class Architecture:
-    mixers: dict[str, type[nn.Module]]  # layer type -> mixer class, built as (cfg, layer_idx)
-    mlp: Callable[[Config, int], nn.Module]  # the feed-forward of layer i
-    norm: type[nn.Module] = RMSNorm  # the decoder's RMSNorm (input, post-attention, final)
-    qkv_bias: bool = False  # a bias on q/k/v always (Qwen2); else only if attention_bias
-    qk_norm: bool = False  # RMSNorm on each query and key head before RoPE
+    """One row: the blocks of a model type and every fact that differs between model types."""
+
+    mixers: Mapping[str, Block]  # layer type (config.json's layer_types) -> the mixer block
+    mlp: Block  # the feed-forward of layer i
+    norm: Callable[[int, float], nn.Module] = RMSNorm  # decoder norms and q/k norms: (dim, eps)
+    layer: type[nn.Module] = DecoderLayer  # the residual block holding mixer, mlp and norms
+    embedding: Callable[[Config, Architecture], nn.Module] = token_embedding  # (cfg, arch)
+    forward: Callable = model_forward  # the pass: embedding -> layers -> final norm -> head
+    family: Family = QWEN3  # tokenizer, chat template and sampling presets
+    qkv_bias: bool = False  # a bias on q/k/v always, none on o_proj (Qwen2); else attention_bias
+    qk_norm: bool = False  # a norm on each query and key head before RoPE
     checkpoint_prefix: str = "model."  # where the text model's tensors sit in the checkpoint
     ignored_prefixes: tuple[str, ...] = ()  # tensors a text model does not load (vision, ...)
+    # the checkpoint's name for each layer type's mixer
+    mixer_names: Mapping[str, str] = field(
+        default_factory=lambda: {"full_attention": "self_attn", "linear_attention": "linear_attn"}
+    )
+    # config.json fields this model type defaults differently from Config's defaults
+    config_defaults: Mapping[str, object] = field(default_factory=dict)
 
+    def attention_biases(self, cfg: Config) -> tuple[bool, bool]:
+        """(bias on q/k/v, bias on o_proj) of the attention layers."""
+        if self.qkv_bias:
+            return True, False  # Qwen2's, whatever attention_bias says
+        return cfg.attention_bias, cfg.attention_bias
+
+    def with_blocks(self, **blocks) -> Architecture:
+        """This row with some blocks replaced: `mixers={"full_attention": MyAttention}`,
+        `mlp=...`, `norm=...`; mixers not named keep the row's."""
+        if "mixers" in blocks:
+            blocks["mixers"] = {**self.mixers, **blocks["mixers"]}
+        unknown = sorted(set(blocks) - {"mixers", "mlp", "norm", "layer", "embedding", "forward"})
+        if unknown:
+            raise TypeError(f"with_blocks: {unknown} are not blocks of an architecture row")
+        return replace(self, **blocks)
+
+
+QWEN3_5_ROW = dict(
+    mixers={"full_attention": GatedAttention, "linear_attention": GatedDeltaNet},
+    mlp=dense_mlp,
+    norm=ZeroCentredRMSNorm,
+    family=QWEN3_5,
+    qk_norm=True,
+    config_defaults={"partial_rotary_factor": 0.25},  # as transformers' Qwen3_5TextConfig
+)
 
 ARCHITECTURES: dict[str, Architecture] = {
     "qwen2": Architecture(mixers={"full_attention": Attention}, mlp=dense_mlp, qkv_bias=True),
@@ -46,22 +99,63 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3_moe": Architecture(
         mixers={"full_attention": Attention}, mlp=qwen3_moe_mlp, qk_norm=True
     ),
-    # Qwen3.5 (chapter 5): 3 Gated DeltaNet layers to 1 gated attention layer, zero-centred
-    # norms. qwen3_5 is the multimodal checkpoint (Qwen3_5ForConditionalGeneration), whose text
-    # model sits under model.language_model.; qwen3_5_text is the text-only Qwen3_5ForCausalLM.
+    # Qwen3.5: 3 Gated DeltaNet layers to 1 gated attention layer, zero-centred norms. qwen3_5 is
+    # the multimodal checkpoint (Qwen3_5ForConditionalGeneration), whose text model sits under
+    # model.language_model.; qwen3_5_text is the text-only Qwen3_5ForCausalLM.
     "qwen3_5": Architecture(
-        mixers={"full_attention": GatedAttention, "linear_attention": GatedDeltaNet},
-        mlp=dense_mlp,
-        norm=ZeroCentredRMSNorm,
-        qk_norm=True,
+        **QWEN3_5_ROW,
         checkpoint_prefix="model.language_model.",
         ignored_prefixes=("model.visual.", "mtp."),  # the vision tower, multi-token prediction
     ),
-    "qwen3_5_text": Architecture(
-        mixers={"full_attention": GatedAttention, "linear_attention": GatedDeltaNet},
-        mlp=dense_mlp,
-        norm=ZeroCentredRMSNorm,
-        qk_norm=True,
-        ignored_prefixes=("mtp.",),
-    ),
+    "qwen3_5_text": Architecture(**QWEN3_5_ROW, ignored_prefixes=("mtp.",)),
 }
+
+
+def architecture(model_type: object, source: str = "config.json") -> Architecture:
+    """The row of `model_type`; a clear error naming `source` for one the table lacks."""
+    if model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"{source}: model_type {model_type!r} is not supported by qwen_mini; "
+            f"supported model types: {', '.join(ARCHITECTURES)}."
+        )
+    return ARCHITECTURES[model_type]
+
+
+def check_config(cfg: Config, arch: Architecture, source: str = "config.json") -> None:
+    """The one place a config is checked against the row that builds it (the model and the
+    loader both call it): every layer type must be one of the row's mixers, one per layer."""
+    unknown = sorted(set(cfg.layer_types) - set(arch.mixers))
+    if unknown or len(cfg.layer_types) != cfg.num_hidden_layers:
+        raise ValueError(
+            f"{source}: layer_types must name one mixer per layer ({cfg.num_hidden_layers} "
+            f"layers) out of {', '.join(arch.mixers)} for a {cfg.model_type} model; it has "
+            f"{len(cfg.layer_types)} entries" + (f" and {unknown}." if unknown else ".")
+        )
+    for layer_type in dict.fromkeys(cfg.layer_types):  # each block type once
+        needed = getattr(arch.mixers[layer_type], "config_fields", ())
+        unset = [name for name in needed if not getattr(cfg, name)]
+        if unset:
+            raise ValueError(
+                f"{source}: {layer_type} layers ({arch.mixers[layer_type].__name__}) need "
+                f"{', '.join(unset)}, which {'is' if len(unset) == 1 else 'are'} missing or 0."
+            )
+
+
+def config_from_dict(
+    d: dict, source: str = "config.json", arch: Architecture | None = None
+) -> Config:
+    """The config of a config.json `d`: the per-type defaults of its row (or of `arch`, a row
+    with other blocks), checked against that row."""
+    arch = arch if arch is not None else architecture(d.get("model_type"), source)
+    cfg = Config.from_dict(d, source, arch.config_defaults)
+    check_config(cfg, arch, source)
+    return cfg
+
+
+def config_from_file(path: str | Path, arch: Architecture | None = None) -> Config:
+    path = Path(path)
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}).") from None
+    return config_from_dict(d, str(path), arch)

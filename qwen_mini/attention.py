@@ -1,14 +1,16 @@
-# Generated from solutions/ch01_attention.ipynb by python -m qwen_mini.course.build —
-# edit the notebook, not this file.
+# Generated from solutions/ch01_attention.ipynb, solutions/ch05_deltanet.ipynb
+# by python -m qwen_mini.course.build — edit the notebooks, not this file.
 
-"""Chapter 1: causal self-attention with grouped KV heads, a KV cache and KV-cache sizes."""
+"""Causal self-attention with grouped KV heads and a KV cache (Qwen2, Qwen3), and the gated
+attention of Qwen3.5 written as its difference from it.
+"""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from qwen_mini.config import Config
-from qwen_mini.foundations import RMSNorm, apply_rope
+from qwen_mini.rope import apply_partial_rope, apply_rope
 
 
 def causal_mask(t_new: int, t_total: int, device=None) -> torch.Tensor:
@@ -110,9 +112,12 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention; optional QKV bias (Qwen2) and per-head QK-Norm (Qwen3)."""
+    """Grouped-query attention; QKV bias (Qwen2) and per-head QK-Norm (Qwen3) as the architecture
+    row `arch` says (its `attention_biases(cfg)`, `qk_norm` and `norm`)."""
 
-    def __init__(self, cfg: Config, layer_idx: int = 0):
+    config_fields = ("num_attention_heads", "num_key_value_heads", "head_dim")  # must be > 0
+
+    def __init__(self, cfg: Config, layer_idx: int, arch):
         super().__init__()
         self.layer_idx = layer_idx  # its place in the model (the model hands it its own cache)
         self.n_heads, self.n_kv_heads, self.head_dim = (
@@ -120,13 +125,14 @@ class Attention(nn.Module):
             cfg.num_key_value_heads,
             cfg.head_dim,
         )
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_bias)
-        if cfg.qk_norm:  # given: one RMSNorm over head_dim, shared by all heads (chapter 2)
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        qkv_bias, o_bias = arch.attention_biases(cfg)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
+        if arch.qk_norm:  # given: one norm over head_dim, shared by all heads
+            self.q_norm = arch.norm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = arch.norm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
@@ -136,13 +142,19 @@ class Attention(nn.Module):
         With a cache (this layer's KVCache), the T new tokens also attend to the cached ones, and
         their keys and values are stored in it (the model commits them once every layer has run).
         """
-        T = x.shape[1]
         q = split_heads(self.q_proj(x), self.n_heads)  # [B, H, T, D]
         k = split_heads(self.k_proj(x), self.n_kv_heads)  # [B, H_kv, T, D]
         v = split_heads(self.v_proj(x), self.n_kv_heads)
         if self.q_norm is not None:  # QK-Norm: after the projection, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.o_proj(merge_heads(self.attend(q, k, v, cache)))
+
+    def attend(self, q, k, v, cache: KVCache | None = None) -> torch.Tensor:
+        """q [B, H, T, D], k, v [B, H_kv, T, D], rotated -> [B, H, T, D]: the T new queries attend
+        to the cached keys and to the new ones up to themselves; the new keys and values go into
+        the cache, if one is given."""
+        T = q.shape[2]
         if cache is not None:
             k, v = cache.update(k, v)  # [B, H_kv, T_total, D]
         t_total = k.shape[2]
@@ -151,30 +163,34 @@ class Attention(nn.Module):
         elif T == t_total:
             mask, is_causal = None, True  # no cache: the plain (top-left) triangle is right
         else:
-            mask, is_causal = causal_mask(T, t_total, x.device), False  # queries after a cache
+            mask, is_causal = causal_mask(T, t_total, q.device), False  # queries after a cache
         n_rep = self.n_heads // self.n_kv_heads
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
-        return self.o_proj(merge_heads(out))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
 
     def new_state(self, batch_size: int, dtype: torch.dtype, device=None) -> KVCache:
         """The empty cache this layer keeps while generating (the model asks every layer)."""
         return KVCache(batch_size, self.n_kv_heads, self.head_dim, dtype, device or "cpu")
 
 
-def kv_bytes_per_token(cfg, dtype_bytes: int = 2) -> int:
-    """Bytes the KV cache grows by when one more token is cached."""
-    # every layer stores a key and a value vector of head_dim numbers for each KV head
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+class GatedAttention(Attention):
+    """Qwen3.5's full attention: `Attention` with an output gate and partial RoPE (its q/k norms
+    are the row's, zero-centred). q_proj makes 2 * head_dim per head: query then gate."""
 
+    def __init__(self, cfg: Config, layer_idx: int, arch):
+        super().__init__(cfg, layer_idx, arch)
+        bias = self.q_proj.bias is not None
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim * 2, bias=bias)
 
-def regroup_kv_heads(w: torch.Tensor, head_dim: int, n_kv_new: int) -> torch.Tensor:
-    """[n_kv * head_dim, ...] -> [n_kv_new * head_dim, ...]: repeat heads, or average them."""
-    n_kv = w.shape[0] // head_dim
-    heads = w.reshape(n_kv, head_dim, *w.shape[1:])
-    if n_kv_new >= n_kv:  # each head copied next to itself: query head h still finds h // n_rep
-        heads = heads.repeat_interleave(n_kv_new // n_kv, dim=0)
-    else:  # neighbours share queries in GQA, so neighbours are merged; average in float32
-        group = heads.reshape(n_kv_new, n_kv // n_kv_new, head_dim, *w.shape[1:])
-        heads = group.float().mean(dim=1).to(w.dtype)
-    return heads.reshape(n_kv_new * head_dim, *w.shape[1:])
+    def forward(self, x, cos, sin, cache: KVCache | None = None):
+        """x [B, T, hidden] -> [B, T, hidden]; cos, sin [T, rotary_dim] (rotary_dim <= head_dim)."""
+        B, T, _ = x.shape
+        D = self.head_dim
+        q, gate = self.q_proj(x).view(B, T, self.n_heads, 2 * D).split(D, dim=-1)  # interleaved
+        q = self.q_norm(q.transpose(1, 2))  # [B, H, T, D]: norm before RoPE, as in Qwen3
+        k = self.k_norm(split_heads(self.k_proj(x), self.n_kv_heads))  # [B, H_kv, T, D]
+        v = split_heads(self.v_proj(x), self.n_kv_heads)
+        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        out = merge_heads(self.attend(q, k, v, cache))  # [B, T, H * D]
+        out = out * torch.sigmoid(gate.reshape(B, T, -1))  # the gate: each output channel, 0..1
+        return self.o_proj(out)

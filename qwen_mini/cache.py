@@ -1,6 +1,6 @@
 """What a model remembers of the tokens it has seen: one state per layer.
 
-An attention layer keeps the keys and values of every token (`KVCache`, chapter 1); a Gated
+An attention layer keeps the keys and values of every token (`attention.KVCache`); a Gated
 DeltaNet layer keeps a fixed-size recurrent state and the last inputs of its convolution. The
 model asks each layer's mixer for a fresh state (`mixer.new_state(...)`), hands each layer its own
 state during a forward pass, and only when every layer has run does it `commit` the pass. A state

@@ -1,8 +1,9 @@
 # Generated from solutions/ch04_thinking.ipynb by python -m qwen_mini.course.build —
 # edit the notebook, not this file.
 
-"""Chapter 4: the Qwen3 chat template written by hand, reasoning parsing, the thinking budget,
-injection-safe encoding and a chat session that reuses its KV cache across turns."""
+"""The Qwen3 chat template written by hand, reasoning parsing, the thinking budget,
+injection-safe encoding and a chat session that reuses its KV cache across turns.
+"""
 
 import json
 import re
@@ -13,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from qwen_mini.families import FAMILIES
 from qwen_mini.generation import Sampling, eos_ids_for, next_token, stream_text
 
 
@@ -291,22 +293,13 @@ def budgeted_tokens(
             spent += 1  # the budget counts tokens of thinking, not the tags
 
 
-# generation_config.json and the model cards of Qwen3-0.6B and Qwen3.5-0.8B
-SAMPLING_PRESETS = {
-    ("qwen3", True): dict(temperature=0.6, top_p=0.95, top_k=20, min_p=0.0),
-    ("qwen3", False): dict(temperature=0.7, top_p=0.8, top_k=20, min_p=0.0),
-    ("qwen3_5", True): dict(temperature=1.0, top_p=0.95, top_k=20, presence_penalty=1.5),
-    ("qwen3_5", False): dict(temperature=1.0, top_p=1.0, top_k=20, presence_penalty=2.0),
-}
-
-
 def sampling_preset(thinking: bool, family: str = "qwen3", **overrides) -> dict:
-    """The recommended sampling settings for a mode; explicit values win. Warns about greedy
+    """The recommended sampling settings for a mode (each family's `sampling`, from
+    generation_config.json and the model cards); explicit values win. Warns about greedy
     decoding in thinking mode, which the model cards advise against (endless repetition)."""
-    if (family, thinking) not in SAMPLING_PRESETS:
-        known = sorted({f for f, _ in SAMPLING_PRESETS})
-        raise ValueError(f"no sampling preset for family {family!r}; known: {known}")
-    settings = dict(SAMPLING_PRESETS[family, thinking])
+    if family not in FAMILIES:
+        raise ValueError(f"no sampling preset for family {family!r}; known: {sorted(FAMILIES)}")
+    settings = dict(FAMILIES[family].sampling[thinking])
     settings.update({k: v for k, v in overrides.items() if v is not None})
     if thinking and settings.get("temperature") == 0:
         warnings.warn(
@@ -431,7 +424,7 @@ class ChatSession:
         self.model, self.tokenizer, self.thinking, self.budget = model, tokenizer, thinking, budget
         self.max_new_tokens = max_new_tokens
         self.messages = [] if system is None else [{"role": "system", "content": system}]
-        family = "qwen3_5" if model.config.model_type.startswith("qwen3_5") else "qwen3"
+        family = model.arch.family.name  # the row of the architecture table says
         self.settings = Sampling.for_model(model, **sampling_preset(thinking, family, **sampling))
         self.stop_ids = eos_ids_for(model)
         self.device = next(model.parameters()).device  # the logits, and so the sampling, are there

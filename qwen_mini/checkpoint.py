@@ -21,11 +21,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from .architectures import ARCHITECTURES
+from .architectures import Architecture, architecture, config_from_file
 from .config import Config
-from .decoder import load_weights
+from .decoder import checkpoint_key, load_weights
 from .model import CausalLM
 from .runtime import convert_for_runtime
+from .safetensors_file import read_safetensors_header
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -61,29 +62,31 @@ def without_init():
             setattr(nn.init, n, fn)
 
 
-def meta_model(cfg: Config) -> CausalLM:
-    """The model `cfg` describes, shapes only: no memory, no random init."""
+def meta_model(cfg: Config, arch: Architecture | None = None) -> CausalLM:
+    """The model `cfg` describes (built from `arch`, by default its row), shapes only: no
+    memory, no random init."""
     with torch.device("meta"), without_init():
-        return CausalLM(cfg)
+        return CausalLM(cfg, arch)
 
 
-def checkpoint_name(key: str, cfg: Config) -> str:
-    """The checkpoint's name for a state-dict key: `model.` is where the text model sits."""
-    prefix = ARCHITECTURES[cfg.model_type].checkpoint_prefix
-    return prefix + key.removeprefix("model.") if key.startswith("model.") else key
+def checkpoint_name(key: str, cfg: Config, arch: Architecture | None = None) -> str:
+    """The checkpoint's name for a state-dict key, by the row's `checkpoint_prefix`."""
+    arch = arch if arch is not None else architecture(cfg.model_type)
+    return checkpoint_key(key, arch.checkpoint_prefix)
 
 
 def expected_shapes(cfg: Config, model: CausalLM | None = None) -> dict[str, tuple[int, ...]]:
     """Checkpoint tensor name -> shape for every tensor a checkpoint with this config must hold.
 
     Read off the model's own state dict (as nanoGPT's from_pretrained does), so the loader can
-    never disagree with the modules; `model` is the meta model of `cfg` if one is at hand. A tied
-    head is the embedding, so it needs no tensor.
+    never disagree with the modules; `model` is the meta model of `cfg` if one is at hand (built
+    from the blocks to be loaded). A tied head is the embedding, so it needs no tensor.
     """
-    state = (model if model is not None else meta_model(cfg)).state_dict()
+    model = model if model is not None else meta_model(cfg)
+    state = model.state_dict()
     if cfg.tie_word_embeddings:
         del state["lm_head.weight"]
-    return {checkpoint_name(k, cfg): tuple(v.shape) for k, v in state.items()}
+    return {checkpoint_name(k, cfg, model.arch): tuple(v.shape) for k, v in state.items()}
 
 
 def _dim_fields(cfg: Config) -> dict[int, list[str]]:
@@ -123,17 +126,20 @@ def _dim_fields(cfg: Config) -> dict[int, list[str]]:
     return fields
 
 
-def _hint(name: str, cfg: Config) -> str:
-    """Which config.json field decides whether `name` should exist."""
+def _hint(name: str, cfg: Config, arch: Architecture) -> str:
+    """Which config.json field (or fact of the architecture row) decides whether `name` should
+    exist."""
     m = re.search(r"layers\.(\d+)\.", name)
     if m and int(m.group(1)) >= cfg.num_hidden_layers:
         return f"config.json says num_hidden_layers = {cfg.num_hidden_layers}"
     if name.endswith(("q_norm.weight", "k_norm.weight")):
-        return f"QK-Norm weights exist in qwen3 checkpoints only (model_type = {cfg.model_type!r})"
+        has = "has" if arch.qk_norm else "has no"
+        return f"a {cfg.model_type} model {has} QK-Norm (model_type in config.json)"
     if name.endswith("_proj.bias"):
+        qkv, o = arch.attention_biases(cfg)
         return (
-            f"model_type = {cfg.model_type!r}: qwen2 has q/k/v biases, qwen3 has none "
-            f"unless attention_bias is true"
+            f"a {cfg.model_type} model with attention_bias = {cfg.attention_bias} has "
+            f"{'' if qkv else 'no '}q/k/v biases and {'an' if o else 'no'} o_proj bias"
         )
     if name == "lm_head.weight":
         return "tie_word_embeddings is false in config.json, so the output head has its own weights"
@@ -173,10 +179,10 @@ def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
                 f"{path}: the header claims {n} bytes but the file holds {size}: the file is "
                 f"truncated or not a safetensors file. {redo}"
             )
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path}: the header is not valid JSON ({e}). {redo}") from None
+    try:
+        header = read_safetensors_header(path)  # the format's reader, once the size is known sane
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: the header is not valid JSON ({e}). {redo}") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: the header is not a table of tensors. {redo}")
     header.pop("__metadata__", None)
@@ -279,15 +285,16 @@ def validate(
 ) -> None:
     """Check stored tensor shapes `found` against the config; `where` names the weights file.
     `model`: the meta model of `cfg`, if the caller has built it already."""
-    want = expected_shapes(cfg, model)
-    ignored = ARCHITECTURES[cfg.model_type].ignored_prefixes
+    model = model if model is not None else meta_model(cfg)
+    want, arch = expected_shapes(cfg, model), model.arch
+    ignored = arch.ignored_prefixes
     missing = [k for k in want if k not in found]
     if missing:
         raise CheckpointError(
             f"{where}: tensor {missing[0]!r} is missing ({len(missing)} missing in all); "
-            f"{config_file} requires it ({_hint(missing[0], cfg)}). The weights are incomplete "
-            f"or belong to a different model than {config_file}: use the config.json that came "
-            f"with these weights."
+            f"{config_file} requires it ({_hint(missing[0], cfg, arch)}). The weights are "
+            f"incomplete or belong to a different model than {config_file}: use the config.json "
+            f"that came with these weights."
         )
     # a tied checkpoint may still store the head (the real Qwen3-0.6B does): accepted, unused
     extra = [
@@ -300,11 +307,11 @@ def validate(
     if extra:
         raise CheckpointError(
             f"{where}: holds tensor {extra[0]!r} ({len(extra)} unexpected in all), which "
-            f"{config_file} does not describe ({_hint(extra[0], cfg)}). config.json and the "
+            f"{config_file} does not describe ({_hint(extra[0], cfg, arch)}). config.json and the "
             f"weights belong to different models: use the config.json that came with them."
         )
     if "lm_head.weight" in found and cfg.tie_word_embeddings:
-        want["lm_head.weight"] = want[checkpoint_name("model.embed_tokens.weight", cfg)]
+        want["lm_head.weight"] = want[checkpoint_name("model.embed_tokens.weight", cfg, arch)]
     fields = _dim_fields(cfg)
     for name, shape in want.items():
         got = tuple(found[name])
@@ -330,11 +337,11 @@ def build_model(
     device: torch.device | str = "cpu",
 ) -> CausalLM:
     """Fill a model built on the meta device (`model`, or a new one) with validated tensors (by
-    checkpoint name), through chapter 1's `load_weights`, on `device`, with no copy unless
+    checkpoint name), through the decoder's `load_weights`, on `device`, with no copy unless
     `dtype` or `device` asks for one; then apply the runtime speed-ups."""
     dtype, device = _dtype(dtype), checked_device(device)
     model = model if model is not None else meta_model(cfg)
-    prefix = ARCHITECTURES[cfg.model_type].checkpoint_prefix
+    prefix = model.arch.checkpoint_prefix
 
     def get_tensor(key: str) -> torch.Tensor:
         return tensors[key].to(device=device, dtype=dtype)  # the tensor itself if both match
@@ -380,12 +387,15 @@ def _read_json(path: Path) -> dict:
 def load_checkpoint(
     folder: str | Path,
     dtype: torch.dtype | str | None = None,
+    arch: Architecture | None = None,
     device: torch.device | str = "cpu",
 ) -> CausalLM:
     """Load a Hugging Face checkpoint folder into a `CausalLM`, memory-mapped.
 
     dtype=None keeps the stored dtype (bfloat16 for the released Qwen models); a dtype such as
     torch.float32 converts each tensor (which then costs memory for the converted copy).
+    arch: the architecture row to build from (default: the row of config.json's model_type),
+    e.g. one with your own blocks: the real weights then load into them.
     device: where the weights go ("cpu", memory-mapped, or e.g. "cuda", copied there).
     The model gets `generation_config` (dict), `source` (the folder) and `is_standin` (False).
     """
@@ -399,11 +409,11 @@ def load_checkpoint(
             f"weights; copy it from where the weights came from."
         )
     try:
-        cfg = Config.from_file(config_file)
+        cfg = config_from_file(config_file, arch)
     except ValueError as e:  # unknown model_type, missing field, bad JSON
         raise CheckpointError(str(e)) from None
     where, stored = _stored_tensors(folder, cfg)
-    model = meta_model(cfg)  # built once: what to expect, then what to fill
+    model = meta_model(cfg, arch)  # built once: what to expect, then what to fill
     found = {name: shape for name, (_, shape) in stored.items()}
     validate(cfg, found, str(where), str(config_file), model)
     tensors, keep = {}, expected_shapes(cfg, model)

@@ -24,14 +24,9 @@ import warnings
 from importlib import metadata
 from pathlib import Path
 
+from .families import QWEN3, family_of
+
 DOCTOR_TEXT = "Hello, 世界! Grüße 👋🏽 — ∑x² = 1\n\tcode:  if x:<|im_end|>"
-# The control-token ids of each tokenizer family, as in the published tokenizer files.
-# (Qwen2.5's own files have no <think>: only Qwen3.5's thinking ids are checked.)
-SPECIAL_IDS = {
-    "qwen3": {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645},
-    "qwen3.5": {"<|endoftext|>": 248044, "<|im_start|>": 248045, "<|im_end|>": 248046,
-                "<think>": 248068, "</think>": 248069},
-}  # fmt: skip
 # Their tokenizers ship with qwen_mini, so they must load offline.
 ALWAYS_OFFLINE = ("Qwen/Qwen3-0.6B", "Qwen/Qwen3.5-0.8B")
 DESCRIPTION = (
@@ -430,11 +425,11 @@ def tokenizer_problems(name: str, tokenizer) -> list[str]:
     ids = tokenizer.encode(DOCTOR_TEXT)
     if tokenizer.decode(ids) != DOCTOR_TEXT:
         problems.append(f"decode(encode(text)) gives {tokenizer.decode(ids)!r}")
-    family = "qwen3.5" if any(v in name.lower() for v in ("qwen3.5", "qwen3.6")) else "qwen3"
-    for token, want in SPECIAL_IDS[family].items():
+    family = family_of(name) or QWEN3  # the control-token ids of its family's tokenizer files
+    for token, want in family.special_ids.items():
         got = tokenizer.special_tokens.get(token)
         if got != want:
             problems.append(f"{token} has id {got}, expected {want}")
-    if ids[-1:] != [SPECIAL_IDS[family]["<|im_end|>"]]:
+    if ids[-1:] != [family.special_ids["<|im_end|>"]]:
         problems.append("<|im_end|> in the text did not become its single id")
     return problems

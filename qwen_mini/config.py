@@ -1,13 +1,13 @@
-"""The model configuration, read from a checkpoint's `config.json`.
+"""The model configuration: the numbers a checkpoint's `config.json` gives.
 
-Which blocks a `model_type` is built from is not decided here but in one table,
-`qwen_mini.architectures.ARCHITECTURES`; this file only reads the numbers.
+Which blocks a `model_type` is built from, its flags (QKV bias, QK-Norm, norm style) and its
+per-type defaults are not decided here but in one table, `qwen_mini.architectures.ARCHITECTURES`,
+which reads this module (never the other way round); this file only holds and reads numbers.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
 
@@ -30,37 +30,40 @@ def _package_folder(name: str) -> Path:
 ASSETS = _package_folder("assets")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int  # width of a dense SwiGLU feed-forward
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int  # its own field in Qwen3: 128 != 1024 / 16 in the 0.6B
-    max_position_embeddings: int
-    rope_theta: float
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    qkv_bias: bool  # bias on the q/k/v projections (Qwen2 always; Qwen3 if attention_bias)
-    o_bias: bool  # Qwen3's `attention_bias` also adds one to o_proj (False in every release)
-    qk_norm: bool  # RMSNorm on each query/key head before RoPE (Qwen3)
+    """The numbers of one model, and nothing else: which blocks they fill is the architecture
+    row's business (`qwen_mini.architectures`). Every field has a default (Qwen3-0.6B's sizes), so
+    a tiny test model states only what differs: `Config(hidden_size=64, num_hidden_layers=2)`.
+    Frozen: a variant is `dataclasses.replace(cfg, num_key_value_heads=1)`."""
+
+    model_type: str = "qwen3"  # the architecture row (ARCHITECTURES) that reads these numbers
+    vocab_size: int = 151936
+    hidden_size: int = 1024
+    intermediate_size: int = 3072  # width of a dense SwiGLU feed-forward
+    num_hidden_layers: int = 28
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads (Qwen3 states its own: 128 in 0.6B)
+    max_position_embeddings: int = 40960
+    rope_theta: float = 1000000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False  # config.json's switch for q/k/v/o biases (Qwen3 and later)
     dtype: str = "float32"  # how the checkpoint stores its weights
-    eos_token_ids: list[int] = field(default_factory=list)
+    eos_token_ids: tuple[int, ...] = ()
     # the mixer of each layer: "full_attention" (softmax attention with a KV cache) or
-    # "linear_attention" (Gated DeltaNet, with a fixed-size state); all full by default
-    layer_types: list[str] = field(default_factory=list)
+    # "linear_attention" (Gated DeltaNet, with a fixed-size state); () means all full
+    layer_types: tuple[str, ...] = ()
     partial_rotary_factor: float = 1.0  # RoPE turns only this fraction of each head (Qwen3.5)
     attn_output_gate: bool = False  # sigmoid gate on the attention output (Qwen3.5)
     # mixture of experts (Qwen3-MoE and later); num_experts = 0 means dense everywhere
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     decoder_sparse_step: int = 1  # every n-th layer is sparse ...
-    mlp_only_layers: list[int] = field(default_factory=list)  # ... except these
+    mlp_only_layers: tuple[int, ...] = ()  # ... except these
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     router_aux_loss_coef: float = 0.0
     # Gated DeltaNet (Qwen3.5 linear-attention layers)
@@ -71,8 +74,16 @@ class Config:
     linear_conv_kernel_dim: int = 0
 
     def __post_init__(self):
-        if not self.layer_types:
-            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        """The derived fields, in this one place: the layer types and head_dim left at their
+        defaults, and lists given as tuples (a frozen config holds nothing that can change)."""
+        derived = {
+            "layer_types": tuple(self.layer_types) or ("full_attention",) * self.num_hidden_layers,
+            "head_dim": self.head_dim or self.hidden_size // max(self.num_attention_heads, 1),
+            "eos_token_ids": tuple(self.eos_token_ids),
+            "mlp_only_layers": tuple(self.mlp_only_layers),
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)  # the one write a frozen dataclass allows
 
     @property
     def rotary_dim(self) -> int:
@@ -88,33 +99,26 @@ class Config:
         )
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "config.json") -> Config:
-        from .architectures import ARCHITECTURES  # the table imports the blocks, which import us
-
-        model_type = d.get("model_type")
-        if model_type not in ARCHITECTURES:
-            raise ValueError(
-                f"{source}: model_type {model_type!r} is not supported by qwen_mini; "
-                f"supported model types: {', '.join(ARCHITECTURES)}."
-            )
-        arch = ARCHITECTURES[model_type]
+    def from_dict(
+        cls, d: dict, source: str = "config.json", defaults: dict | None = None
+    ) -> Config:
+        """The numbers of a config.json `d`. `defaults`: values for the fields the file may leave
+        out that differ by model type (the architecture row's `config_defaults`); reading a
+        checkpoint's file goes through `qwen_mini.architectures.config_from_dict`, which passes
+        them and checks the result against the row."""
         # a multimodal checkpoint (Qwen3.5) keeps the text model's fields under text_config
         t = {**d, **d["text_config"]} if isinstance(d.get("text_config"), dict) else d
         try:
-            cfg = cls._read(model_type, arch, d, t)
+            return cls._read(d, t, {**cls.defaults(), **(defaults or {})})
         except KeyError as e:
             raise ValueError(f"{source}: required field {e.args[0]!r} is missing.") from None
-        unknown = sorted(set(cfg.layer_types) - set(arch.mixers))
-        if unknown or len(cfg.layer_types) != cfg.num_hidden_layers:
-            raise ValueError(
-                f"{source}: layer_types must name one mixer per layer ({cfg.num_hidden_layers} "
-                f"layers) out of {', '.join(arch.mixers)} for a {model_type} model; it has "
-                f"{len(cfg.layer_types)} entries" + (f" and {unknown}." if unknown else ".")
-            )
-        return cfg
 
     @classmethod
-    def _read(cls, model_type: str, arch, d: dict, t: dict) -> Config:
+    def defaults(cls) -> dict:
+        return {f.name: f.default for f in fields(cls)}
+
+    @classmethod
+    def _read(cls, d: dict, t: dict, default: dict) -> Config:
         """The fields of `t` (the text model's part of config.json `d`), with their defaults."""
         heads = t["num_attention_heads"]
         hidden = t["hidden_size"]
@@ -122,9 +126,15 @@ class Config:
         rope = t.get("rope_parameters") or {}
         theta = rope.get("rope_theta", t.get("rope_theta", 10000.0))
         eos = t.get("eos_token_id")
-        bias = t.get("attention_bias", False)
+
+        def get(name, *aliases):  # the field, or one of its older names, or the default
+            for key in (name, *aliases):
+                if t.get(key) is not None:
+                    return t[key]
+            return default[name]
+
         return cls(
-            model_type=model_type,
+            model_type=d.get("model_type", default["model_type"]),
             vocab_size=t["vocab_size"],
             hidden_size=hidden,
             intermediate_size=t["intermediate_size"],
@@ -136,37 +146,24 @@ class Config:
             rope_theta=float(theta),
             rms_norm_eps=t.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=d.get("tie_word_embeddings", t.get("tie_word_embeddings", False)),
-            qkv_bias=arch.qkv_bias or bias,
-            o_bias=bias and not arch.qkv_bias,
-            qk_norm=arch.qk_norm,
+            attention_bias=get("attention_bias"),
             dtype=t.get("dtype") or t.get("torch_dtype") or d.get("torch_dtype") or "float32",
-            eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
-            layer_types=list(t.get("layer_types") or []),
-            partial_rotary_factor=rope.get(
-                "partial_rotary_factor", t.get("partial_rotary_factor", 1.0)
-            ),
-            attn_output_gate=t.get("attn_output_gate", False),
+            eos_token_ids=() if eos is None else (eos,) if isinstance(eos, int) else tuple(eos),
+            layer_types=tuple(t.get("layer_types") or ()),
+            partial_rotary_factor=rope.get("partial_rotary_factor", get("partial_rotary_factor")),
+            attn_output_gate=get("attn_output_gate"),
             # the released configs say num_experts; transformers 5 writes num_local_experts
-            num_experts=t.get("num_experts", t.get("num_local_experts", 0)),
-            num_experts_per_tok=t.get("num_experts_per_tok", 0),
-            moe_intermediate_size=t.get("moe_intermediate_size", 0),
-            norm_topk_prob=t.get("norm_topk_prob", True),
-            decoder_sparse_step=t.get("decoder_sparse_step", 1),
-            mlp_only_layers=list(t.get("mlp_only_layers") or []),
-            shared_expert_intermediate_size=t.get("shared_expert_intermediate_size", 0),
-            router_aux_loss_coef=t.get("router_aux_loss_coef", 0.0),
-            linear_num_key_heads=t.get("linear_num_key_heads", 0),
-            linear_num_value_heads=t.get("linear_num_value_heads", 0),
-            linear_key_head_dim=t.get("linear_key_head_dim", 0),
-            linear_value_head_dim=t.get("linear_value_head_dim", 0),
-            linear_conv_kernel_dim=t.get("linear_conv_kernel_dim", 0),
+            num_experts=get("num_experts", "num_local_experts"),
+            num_experts_per_tok=get("num_experts_per_tok"),
+            moe_intermediate_size=get("moe_intermediate_size"),
+            norm_topk_prob=get("norm_topk_prob"),
+            decoder_sparse_step=get("decoder_sparse_step"),
+            mlp_only_layers=tuple(t.get("mlp_only_layers") or ()),
+            shared_expert_intermediate_size=get("shared_expert_intermediate_size"),
+            router_aux_loss_coef=get("router_aux_loss_coef"),
+            linear_num_key_heads=get("linear_num_key_heads"),
+            linear_num_value_heads=get("linear_num_value_heads"),
+            linear_key_head_dim=get("linear_key_head_dim"),
+            linear_value_head_dim=get("linear_value_head_dim"),
+            linear_conv_kernel_dim=get("linear_conv_kernel_dim"),
         )
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> Config:
-        path = Path(path)
-        try:
-            d = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e}).") from None
-        return cls.from_dict(d, source=str(path))

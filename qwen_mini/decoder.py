@@ -1,16 +1,17 @@
 # Generated from solutions/ch01_attention.ipynb by python -m qwen_mini.course.build —
 # edit the notebook, not this file.
 
-"""Chapter 1, second part: the decoder layer, the model's forward pass, loading the weights, and
-the generation loop. `qwen_mini.model` builds the model from these; `qwen_mini.checkpoint` and
-`qwen_mini.generation` add the checks around them."""
+"""The decoder layer, the model's forward pass, loading the weights by checkpoint name, and the
+generation loop. `qwen_mini.model` builds the model from these; `qwen_mini.checkpoint` and
+`qwen_mini.generation` add the checks around them.
+"""
 
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 
-from qwen_mini.foundations import rope_cos_sin
+from qwen_mini.rope import rope_cos_sin
 
 
 class DecoderLayer(nn.Module):
@@ -61,6 +62,12 @@ def model_forward(model, input_ids: torch.Tensor, cache=None, last_only: bool = 
     return model.lm_head(x)  # [B, T, vocab]
 
 
+def checkpoint_key(name: str, prefix: str = "model.") -> str:
+    """The checkpoint's name for a parameter: what the model calls "model." sits under `prefix`
+    in the checkpoint (e.g. "model.language_model." in a multimodal one)."""
+    return prefix + name.removeprefix("model.") if name.startswith("model.") else name
+
+
 def load_weights(
     model: nn.Module,
     header: Mapping,
@@ -76,9 +83,9 @@ def load_weights(
     tied = model.config.tie_word_embeddings
     sources = {}
     for name in model.state_dict():  # a tied model lists the head and the embedding both
-        key = prefix + name.removeprefix("model.") if name.startswith("model.") else name
-        if tied and name == "lm_head.weight":
-            key = prefix + "embed_tokens.weight"  # the head is the embedding; a copy is not read
+        key = checkpoint_key(name, prefix)
+        if tied and name == "lm_head.weight":  # the head is the embedding; a copy is not read
+            key = checkpoint_key("model.embed_tokens.weight", prefix)
         if key not in header:
             raise KeyError(f"the checkpoint has no tensor {key!r} for the parameter {name!r}")
         sources[name] = key

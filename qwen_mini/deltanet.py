@@ -1,8 +1,8 @@
 # Generated from solutions/ch05_deltanet.ipynb by python -m qwen_mini.course.build —
 # edit the notebook, not this file.
 
-"""Chapter 5: the gated delta rule (recurrent and chunkwise), Gated DeltaNet and Qwen3.5's gated
-full attention.
+"""The gated delta rule (recurrent and chunkwise), its causal convolution, the state it keeps and
+Qwen3.5's Gated DeltaNet mixer.
 
 The gated delta rule (Yang, Kautz, Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with
 Delta Rule", 2024) keeps one matrix per value head, the state S [d_k, d_v], and for every token
@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qwen_mini.attention import KVCache, causal_mask, merge_heads, repeat_kv
 from qwen_mini.config import Config
-from qwen_mini.foundations import apply_rope
+from qwen_mini.norms import GatedRMSNorm
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -183,7 +182,7 @@ def chunk_gated_delta_rule(
     """The same rule, chunk by chunk: (output [B, T, H_v, d_v], final state fp32).
 
     Inside a chunk of C tokens, with G the cumulative log-decay from the chunk start and S0 the
-    state entering the chunk, unrolling the recurrence gives (derivation in chapter 5)
+    state entering the chunk, unrolling the recurrence gives
 
         (I + A) U = beta*V - beta*exp(G)*K S0,   A[t, s] = beta_t exp(G_t - G_s) k_t.k_s, s < t
         O  = exp(G) * Q S0 + (Q K^T * M) U,      M[t, s] = exp(G_t - G_s), s <= t
@@ -243,43 +242,6 @@ def causal_conv1d(
     return y, full[:, :, full.shape[-1] - conv_state.shape[-1] :]
 
 
-class ZeroCentredRMSNorm(nn.Module):
-    """RMSNorm with the scale stored as an offset from 1: x_hat * (1 + weight), weight starts at 0.
-
-    Qwen3.5's decoder norms and q/k norms. Loading such a weight into a plain `x_hat * weight`
-    norm multiplies every activation by a number near 0: the classic silent mistake.
-    """
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
-        x32 = x.float()  # mean of squares in float32, as every RMSNorm here
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)  # scale in float32, then cast
-
-
-class GatedRMSNorm(nn.Module):
-    """The output norm of Gated DeltaNet: x_hat * weight * silu(z), per value head.
-
-    A plain weight (not zero-centred, unlike the decoder norms): checkpoint key `linear_attn.norm`.
-    """
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # [..., d_v] twice
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        x = self.weight * x32.to(dtype)  # normalise first, then the learned scale ...
-        return (x * F.silu(z.float())).to(dtype)  # ... then the gate (in float32)
-
-
 class DeltaNetState:
     """One Gated DeltaNet layer's memory of every token seen: a fixed size, whatever the length.
 
@@ -333,7 +295,16 @@ class GatedDeltaNet(nn.Module):
     gated delta rule -> GatedRMSNorm(., z = in_proj_z x) -> out_proj.
     """
 
-    def __init__(self, cfg: Config, layer_idx: int = 0):
+    # the config fields it is built from, which a config must set (> 0) for such layers
+    config_fields = (
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_conv_kernel_dim",
+    )
+
+    def __init__(self, cfg: Config, layer_idx: int = 0, arch=None):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_k, self.n_v = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -408,50 +379,3 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).reshape(B, T, self.n_v, self.d_v)
         out = self.norm(out.to(x.dtype), z)  # [B, T, H_v, d_v]
         return self.out_proj(out.reshape(B, T, -1))
-
-
-def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on the first cos.shape[-1] dims of each head of x [B, H, T, D]; the rest pass as is."""
-    r = cos.shape[-1]
-    return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
-
-
-class GatedAttention(nn.Module):
-    """Qwen3.5's full attention: grouped-query attention with zero-centred QK-Norm, partial RoPE
-    and an output gate. q_proj makes 2 * head_dim per head, query then gate: [.., H, 2D]."""
-
-    def __init__(self, cfg: Config, layer_idx: int = 0):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = D = cfg.head_dim
-        hidden, bias = cfg.hidden_size, cfg.qkv_bias
-        self.q_proj = nn.Linear(hidden, self.n_heads * D * 2, bias=bias)  # query and gate
-        self.k_proj = nn.Linear(hidden, self.n_kv_heads * D, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.n_kv_heads * D, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * D, hidden, bias=cfg.o_bias)
-        self.q_norm = ZeroCentredRMSNorm(D, cfg.rms_norm_eps)
-        self.k_norm = ZeroCentredRMSNorm(D, cfg.rms_norm_eps)
-
-    def new_state(self, batch_size: int, dtype: torch.dtype, device=None) -> KVCache:
-        return KVCache(batch_size, self.n_kv_heads, self.head_dim, dtype, device)
-
-    def forward(self, x, cos, sin, cache: KVCache | None = None):
-        """x [B, T, hidden] -> [B, T, hidden]; cos, sin [T, rotary_dim] (rotary_dim <= head_dim)."""
-        B, T, _ = x.shape
-        D = self.head_dim
-        q, gate = self.q_proj(x).view(B, T, self.n_heads, 2 * D).split(D, dim=-1)  # interleaved
-        gate = gate.reshape(B, T, self.n_heads * D)
-        q = self.q_norm(q).transpose(1, 2)  # [B, H, T, D]: norm before RoPE, as in Qwen3
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, D)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, D).transpose(1, 2)
-        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(k, v)  # [B, H_kv, T_total, D]
-        t_total = k.shape[2]
-        mask = None if T == 1 else causal_mask(T, t_total, x.device)
-        n_rep = self.n_heads // self.n_kv_heads
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T, D]
-        out = merge_heads(out) * torch.sigmoid(gate)  # the gate: each output channel, 0..1
-        return self.o_proj(out)

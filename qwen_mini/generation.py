@@ -223,7 +223,7 @@ def generate_tokens(
 
 @torch.inference_mode()  # on a generator, torch enters the mode only while the generator runs
 def _decode(model, prompt_ids, max_new_tokens, s: Sampling, seed, stop) -> Iterator[int]:
-    """Chapter 1's `decode` loop (prefill once, then one token at a time through the cache),
+    """The decoder's `decode` loop (prefill once, then one token at a time through the cache),
     choosing each token with the sampling settings `s`."""
     device = next(model.parameters()).device
     generator = None

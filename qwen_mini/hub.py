@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .architectures import Architecture
 from .checkpoint import INDEX_FILE, SINGLE_FILE, checked_device, load_checkpoint
 from .model import CausalLM
 from .standin import load_standin
@@ -84,15 +85,23 @@ def _in_env(name: str, searched: list[str]) -> Path | None:
     return None
 
 
-def _in_hf_cache(name: str, searched: list[str]) -> Path | None:
-    """The snapshot `refs/main` points at, in the cache layout models--<org>--<name>/snapshots."""
-    repo = hf_cache_dir() / ("models--" + name.replace("/", "--"))
-    searched.append(f"Hugging Face cache: {repo}")
+def hf_cache_repo(name: str) -> Path:
+    """Where the Hugging Face cache keeps the repository `name` ("Qwen/Qwen3-0.6B")."""
+    return hf_cache_dir() / ("models--" + name.replace("/", "--"))
+
+
+def hf_cache_snapshot(name: str) -> Path | None:
+    """The snapshot `refs/main` points at, in the cache layout models--<org>--<name>/snapshots,
+    whatever it holds (weights, or only the tokenizer files); None if there is none."""
+    repo = hf_cache_repo(name)
     ref = repo / "refs" / "main"
-    if ref.is_file():
-        snapshot = repo / "snapshots" / ref.read_text().strip()
-        return snapshot if _has_weights(snapshot) else None
-    return None
+    return repo / "snapshots" / ref.read_text().strip() if ref.is_file() else None
+
+
+def _in_hf_cache(name: str, searched: list[str]) -> Path | None:
+    searched.append(f"Hugging Face cache: {hf_cache_repo(name)}")
+    snapshot = hf_cache_snapshot(name)
+    return snapshot if snapshot is not None and _has_weights(snapshot) else None
 
 
 def _looks_like_repo(name: str) -> bool:
@@ -200,10 +209,14 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     *,
     download: bool = False,
+    arch: Architecture | None = None,
     device: torch.device | str = "cpu",
 ) -> CausalLM:
     """Load a model by name ("Qwen/Qwen3-0.6B") or folder; the stand-in if no weights are found.
 
+    arch: the architecture row to build the model from (default: the row of its model_type);
+    pass one with your own blocks (`ARCHITECTURES["qwen3"].with_blocks(...)`) to run the real
+    weights, or the stand-in's, through them.
     device: where the weights are put and the model runs ("cpu", "cuda", "cuda:1", "mps"); a
     device this machine does not have is a ValueError before anything is read.
     The model's `source` says where it came from and `is_standin` whether it is the stand-in.
@@ -211,10 +224,10 @@ def load_model(
     device = checked_device(device)
     found = resolve(name_or_path, download=download)
     if found.path is not None:
-        return load_checkpoint(found.path, dtype, device)
+        return load_checkpoint(found.path, dtype, arch, device)
     name = known_name(str(name_or_path))
     notice(standin_notice(name))
-    return load_standin(name, dtype, device)
+    return load_standin(name, dtype, arch, device)
 
 
 def describe(name_or_path: str | Path) -> str:

@@ -1,4 +1,4 @@
-"""The Qwen decoder, assembled from the blocks `qwen_mini.architectures` names for the config.
+"""The Qwen decoder, assembled from the blocks of an architecture row (`qwen_mini.architectures`).
 
 Module names follow the checkpoint keys exactly, so a checkpoint's state dict loads with no
 renaming: `model.layers.3.self_attn.q_proj.weight`.
@@ -9,36 +9,33 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .architectures import ARCHITECTURES, MIXER_ATTRIBUTE
+from .architectures import Architecture, architecture, check_config
 from .cache import Cache
 from .config import Config
-from .decoder import DecoderLayer, model_forward
 
 
-def build_layer(cfg: Config, layer_idx: int) -> DecoderLayer:
-    """Layer `layer_idx` of the model `cfg` describes: its mixer, feed-forward and norms come from
-    the architecture table; the config's `layer_types` picks the mixer."""
-    arch = ARCHITECTURES[cfg.model_type]
+def build_layer(cfg: Config, layer_idx: int, arch: Architecture) -> nn.Module:
+    """Layer `layer_idx`: its mixer, feed-forward and norms are the row's blocks; the config's
+    `layer_types` picks the mixer."""
     layer_type = cfg.layer_types[layer_idx]
-    return DecoderLayer(
-        MIXER_ATTRIBUTE[layer_type],  # the checkpoint's name for it: self_attn, linear_attn
-        arch.mixers[layer_type](cfg, layer_idx),
-        arch.mlp(cfg, layer_idx),
+    return arch.layer(
+        arch.mixer_names[layer_type],  # the checkpoint's name for it: self_attn, linear_attn
+        arch.mixers[layer_type](cfg, layer_idx, arch),
+        arch.mlp(cfg, layer_idx, arch),
         arch.norm(cfg.hidden_size, cfg.rms_norm_eps),  # input_layernorm
         arch.norm(cfg.hidden_size, cfg.rms_norm_eps),  # post_attention_layernorm
     )
 
 
 class Backbone(nn.Module):
-    """What the checkpoint calls `model.`: the embedding, the decoder layers, the final norm.
-    The forward pass through them is chapter 1's `model_forward`."""
+    """What the checkpoint calls `model.`: the embedding, the decoder layers, the final norm."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, arch: Architecture):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(build_layer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = ARCHITECTURES[cfg.model_type].norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens = arch.embedding(cfg, arch)
+        self.layers = nn.ModuleList(build_layer(cfg, i, arch) for i in range(cfg.num_hidden_layers))
+        self.norm = arch.norm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
@@ -50,10 +47,14 @@ class CausalLM(nn.Module):
     source: str
     is_standin: bool
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, arch: Architecture | None = None):
+        """The model `cfg` describes, built from the blocks of `arch` (by default the row of
+        cfg.model_type; pass a row with blocks replaced to build from other blocks)."""
         super().__init__()
-        self.config = cfg
-        self.model = Backbone(cfg)
+        arch = arch if arch is not None else architecture(cfg.model_type, "the config")
+        check_config(cfg, arch, "the config")
+        self.config, self.arch = cfg, arch
+        self.model = Backbone(cfg, arch)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -70,8 +71,8 @@ class CausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, cache: Cache | None = None, last_only: bool = False
     ) -> torch.Tensor:
-        """logits [B, T, vocab] ([B, 1, vocab] with last_only): chapter 1's `model_forward`."""
-        return self.run_pass(model_forward, input_ids, cache, last_only)
+        """logits [B, T, vocab] ([B, 1, vocab] with last_only): the row's forward pass."""
+        return self.run_pass(self.arch.forward, input_ids, cache, last_only)
 
     def run_pass(self, forward_pass, input_ids, cache=None, last_only=False) -> torch.Tensor:
         """`forward_pass(self, input_ids, cache, last_only)`, made safe to call: the input and

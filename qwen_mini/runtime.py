@@ -1,6 +1,6 @@
 """Speed-ups for running a model, as one explicit step: `convert_for_runtime(model)`.
 
-The chapters build every projection as a plain `nn.Linear`, and a model built by hand stays that
+The blocks build every projection as a plain `nn.Linear`, and a model built by hand stays that
 way. The loader (`qwen_mini.checkpoint.build_model`) applies this step to what it returns.
 """
 
@@ -43,7 +43,7 @@ def convert_for_runtime(model: nn.Module) -> nn.Module:
     """Make every plain nn.Linear of `model` a ThreadedLinear, in place; return the model.
 
     Only the class changes (same parameters, same state dict), so the result still loads,
-    saves and compares like the model the chapters built.
+    saves and compares like the model the blocks built.
     """
     for module in model.modules():
         if type(module) is nn.Linear:

@@ -13,9 +13,8 @@ import copy
 
 import torch
 
+from .architectures import Architecture, config_from_dict
 from .checkpoint import build_model, checkpoint_name, expected_shapes, meta_model, validate
-from .config import Config
-from .deltanet import ZeroCentredRMSNorm
 from .model import CausalLM
 
 # shared by both stand-ins: small, but with grouped KV heads (4 query heads share 2 KV heads)
@@ -102,21 +101,23 @@ STANDINS = {
 SEED = 0
 
 
-def _random_weights(cfg: Config, seed: int) -> dict[str, torch.Tensor]:
-    """A state dict of the shapes `cfg` implies: norms at 1, everything else small and random.
+def _random_weights(model: CausalLM, seed: int) -> dict[str, torch.Tensor]:
+    """A state dict (by checkpoint name) of the shapes of the meta `model`: norms at 1 (at 0 where
+    the norm scales by 1 + weight), everything else small and random.
 
     Uniform noise, not Gaussian: torch draws uniform numbers with the same scalar code on every
     CPU, so the stand-in is bit-identical on every machine.
     """
+    cfg = model.config
     g, dtype = torch.Generator().manual_seed(seed), getattr(torch, cfg.dtype)
     # Qwen3.5's norms scale by (1 + weight): their neutral weight is 0, not 1
     zero_centred = {
-        checkpoint_name(f"{name}.weight", cfg)
-        for name, module in meta_model(cfg).named_modules()
-        if isinstance(module, ZeroCentredRMSNorm)
+        checkpoint_name(f"{name}.weight", cfg, model.arch)
+        for name, module in model.named_modules()
+        if getattr(module, "zero_centred", False)
     }
     weights = {}
-    for name, shape in expected_shapes(cfg).items():
+    for name, shape in expected_shapes(cfg, model).items():
         if name in zero_centred:
             weights[name] = torch.zeros(shape, dtype=dtype)
         elif "norm" in name:
@@ -127,18 +128,22 @@ def _random_weights(cfg: Config, seed: int) -> dict[str, torch.Tensor]:
 
 
 def load_standin(
-    name: str, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu"
+    name: str,
+    dtype: torch.dtype | str | None = None,
+    arch: Architecture | None = None,
+    device: torch.device | str = "cpu",
 ) -> CausalLM:
-    """The stand-in for a known model name, e.g. "Qwen/Qwen3-0.6B" (same weights every call), on
-    `device`."""
+    """The stand-in for a known model name, e.g. "Qwen/Qwen3-0.6B" (same weights every call),
+    built from `arch` (default: the row of its model_type), on `device`."""
     if name not in STANDINS:
         raise ValueError(f"no stand-in for {name!r}; stand-ins exist for: {', '.join(STANDINS)}.")
     spec = STANDINS[name]
-    cfg = Config.from_dict(spec["config"], source=f"stand-in {name}")
-    weights = _random_weights(cfg, SEED)
+    cfg = config_from_dict(spec["config"], f"stand-in {name}", arch)
+    model = meta_model(cfg, arch)
+    weights = _random_weights(model, SEED)
     # the same checks and the same assignment as a checkpoint read from disk
-    validate(cfg, {k: tuple(w.shape) for k, w in weights.items()}, f"stand-in {name}")
-    model = build_model(cfg, weights, dtype, device=device)
+    validate(cfg, {k: tuple(w.shape) for k, w in weights.items()}, f"stand-in {name}", model=model)
+    model = build_model(cfg, weights, dtype, model, device=device)
     model.generation_config = copy.deepcopy(spec["generation_config"])
     model.source, model.is_standin = "stand-in", True
     return model

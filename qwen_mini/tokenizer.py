@@ -30,7 +30,6 @@ from __future__ import annotations
 import base64
 import gzip
 import json
-import re
 import warnings
 from datetime import datetime
 from pathlib import Path
@@ -38,13 +37,12 @@ from pathlib import Path
 import tokenizers
 
 from .config import ASSETS
+from .families import family_of
 
 VENDORED_QWEN3 = ASSETS / "tokenizers" / "qwen3"
 VENDORED_QWEN3_5 = ASSETS / "tokenizers" / "qwen3_5"
-
-# Model names whose tokenizer each vendored folder reproduces.
-_SAME_BPE_AS_VENDORED = re.compile(r"^(Qwen/)?Qwen(2|2\.5|3)-", re.IGNORECASE)
-_SAME_BPE_AS_QWEN3_5 = re.compile(r"^(Qwen/)?Qwen3\.[56]-", re.IGNORECASE)
+# the vendored tokenizer of each family (which model names belong to a family: families.py)
+VENDORED = {"qwen3": VENDORED_QWEN3, "qwen3_5": VENDORED_QWEN3_5}
 
 # The split regex of Qwen3.5: Qwen3's with \p{M} (combining marks) added to the letter classes.
 # Source: transformers 5.23 `models/qwen3_5/tokenization_qwen3_5.py` (PRETOKENIZE_REGEX); the
@@ -325,38 +323,33 @@ def load_tokenizer(name_or_path: str | Path = "Qwen/Qwen3-0.6B") -> Tokenizer:
     if cached is not None:
         return _from_folder(cached)
 
-    if _SAME_BPE_AS_QWEN3_5.match(name):
-        return _from_folder(_vendored(VENDORED_QWEN3_5))
-    if not _SAME_BPE_AS_VENDORED.match(name):
+    family = family_of(name)
+    if family is None:
         raise ValueError(
             f"{name!r} is neither a folder nor a model whose tokenizer ships with qwen_mini. "
             "Pass a folder holding tokenizer.json, or a name such as 'Qwen/Qwen3-0.6B' "
             "(Qwen3, Qwen2.5) or 'Qwen/Qwen3.5-0.8B' (Qwen3.5, Qwen3.6)."
         )
-    _vendored(VENDORED_QWEN3)
-    if not name.split("/")[-1].lower().startswith("qwen3-"):
+    folder = _vendored(VENDORED[family.name])
+    if not family.template_is_exact_for(name):
         warnings.warn(
-            f"Using the vendored Qwen3 tokenizer for {name}: same BPE and ids, but Qwen3's chat "
-            "template. For that model's own chat format, point load_tokenizer at its files.",
+            f"Using the vendored {family.title} tokenizer for {name}: same BPE and ids, but "
+            f"{family.title}'s chat template. For that model's own chat format, point "
+            "load_tokenizer at its files.",
             stacklevel=2,
         )
-    return _from_folder(VENDORED_QWEN3)
+    return _from_folder(folder)
 
 
 def _tokenizer_in_hf_cache(name: str) -> Path | None:
     """The Hugging Face cache snapshot of `name` when it holds tokenizer.json, even without
     weights (transformers' AutoTokenizer.from_pretrained fetches only the tokenizer files)."""
     try:
-        from .hub import hf_cache_dir
+        from .hub import hf_cache_snapshot
     except ImportError:  # a checkout without the hub module
         return None
-    repo = name if "/" in name else f"Qwen/{name}"
-    cache = hf_cache_dir() / ("models--" + repo.replace("/", "--"))
-    ref = cache / "refs" / "main"
-    if not ref.is_file():
-        return None
-    snapshot = cache / "snapshots" / ref.read_text().strip()
-    return snapshot if (snapshot / "tokenizer.json").is_file() else None
+    snapshot = hf_cache_snapshot(name if "/" in name else f"Qwen/{name}")
+    return snapshot if snapshot is not None and (snapshot / "tokenizer.json").is_file() else None
 
 
 def _vendored(folder: Path) -> Path:

@@ -1,10 +1,10 @@
 """The full attention-logit-growth sweep of chapter 2, written to
 qwen_mini/assets/data/logit_growth_sweep.json.
 
-Trains the chapter's tiny Qwen3-shaped model (qwen_mini.qk_norm.train_tiny) on Python source,
-with and without QK-Norm, at each learning rate, with fixed seeds, on one CPU thread (so the
-numbers do not depend on the machine's thread count), and records per step the loss and, every
-few steps, per layer and query head the largest attention logit and the attention entropy.
+Trains the chapter's tiny Qwen3-shaped model (qwen_mini.course.lab.ch02.train_tiny) on Python
+source, with and without QK-Norm, at each learning rate, with fixed seeds, on one CPU thread (so
+the numbers do not depend on the machine's thread count), and records per step the loss and,
+every few steps, per layer and query head the largest attention logit and the attention entropy.
 
     PYTHONPATH=. python scripts/logit_growth_sweep.py            # the stored sweep, ~15-40 min
     PYTHONPATH=. python scripts/logit_growth_sweep.py --steps 30 --lrs 0.03 --out /tmp/x.json
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from qwen_mini.config import ASSETS
-from qwen_mini.qk_norm import train_tiny
+from qwen_mini.course.lab.ch02 import train_tiny
 
 OUT = ASSETS / "data" / "logit_growth_sweep.json"
 SETTINGS = dict(steps=300, batch=16, seq=128, seed=0, every=5, n_stat=4)
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "threads": 1,
         "settings": settings,
-        "model": "qwen_mini.qk_norm.tiny_config (2 layers, width 128, 4 query / 2 KV heads)",
+        "model": "qwen_mini.course.lab.ch02.tiny_config (2 layers, width 128, 4 query/2 KV heads)",
         "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -133,9 +133,10 @@ def randomize(model: torch.nn.Module, seed: int = 0, std: float = 0.2) -> torch.
 
 def tiny_model(model_type: str = "qwen3", seed: int = 0, std: float = 0.2, **overrides):
     """A qwen_mini model of the tiny config, randomized, in eval mode (no checkpoint on disk)."""
-    from qwen_mini import CausalLM, Config
+    from qwen_mini import CausalLM
+    from qwen_mini.architectures import config_from_dict
 
-    cfg = Config.from_dict(tiny_config(model_type, **overrides))
+    cfg = config_from_dict(tiny_config(model_type, **overrides))
     return randomize(CausalLM(cfg), seed, std).eval()
 
 

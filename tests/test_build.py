@@ -357,3 +357,46 @@ def test_digest_covers_the_learners_work_only():
         other = json.loads(json.dumps(nb))
         other["cells"][2][field] = value
         assert build.cells_digest(other) != digest, field
+
+
+@pytest.mark.skipif(RUFF is None, reason="ruff is not installed")
+def test_two_notebooks_export_into_one_module(tree, capsys):
+    """A later chapter adds a variant to an earlier chapter's module: the module names both
+    notebooks, their cells in order, one docstring, the imports hoisted (unused ones dropped),
+    and a block another module of the notebook defines is imported from there."""
+    first = nbformat.v4.new_notebook()
+    first.metadata["qwen_mini"] = {
+        "export": "qwen_mini/parts.py",
+        "docstrings": {"qwen_mini/parts.py": "Parts, from two chapters."},
+    }
+    first.cells = [
+        nbformat.v4.new_code_cell("import math\nimport json", id="a"),
+        nbformat.v4.new_code_cell("class Base:\n    scale = math.pi", id="b"),
+    ]
+    second = nbformat.v4.new_notebook()
+    second.metadata["qwen_mini"] = {"export": "qwen_mini/user.py"}
+    second.cells = [
+        nbformat.v4.new_code_cell("from qwen_mini.parts import Base", id="c"),
+        nbformat.v4.new_code_cell("class Variant(Base):\n    scale = 2.0", id="d"),
+        nbformat.v4.new_code_cell("def make():\n    return Variant()", id="e"),
+    ]
+    for c in first.cells:
+        c.metadata["tags"] = ["export"]
+    second.cells[0].metadata["tags"] = ["export"]
+    second.cells[1].metadata["tags"] = ["export:qwen_mini/parts.py"]
+    second.cells[2].metadata["tags"] = ["export"]
+    nbformat.write(first, tree / "solutions" / "ch97_a.ipynb")
+    nbformat.write(second, tree / "solutions" / "ch98_b.ipynb")
+    assert build.main(["--root", str(tree)]) == 0, capsys.readouterr()
+    capsys.readouterr()
+    parts = (tree / "qwen_mini" / "parts.py").read_text()
+    assert parts.startswith(
+        "# Generated from solutions/ch97_a.ipynb, solutions/ch98_b.ipynb\n"
+        "# by python -m qwen_mini.course.build — edit the notebooks, not this file.\n\n"
+        '"""Parts, from two chapters."""\n\nimport math\n\n\nclass Base:'
+    )
+    assert parts.index("class Base") < parts.index("class Variant(Base)")
+    assert "json" not in parts and "from qwen_mini.parts" not in parts  # unused; itself
+    user = (tree / "qwen_mini" / "user.py").read_text()
+    assert "from qwen_mini.parts import Variant" in user and "class Variant" not in user
+    assert build.main(["--root", str(tree), "--check"]) == 0

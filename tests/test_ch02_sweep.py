@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from qwen_mini.config import ASSETS
-from qwen_mini.qk_norm import train_tiny
+from qwen_mini.course.lab.ch02 import train_tiny
 
 SWEEP = json.loads((ASSETS / "data" / "logit_growth_sweep.json").read_text())
 

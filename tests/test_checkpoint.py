@@ -14,7 +14,8 @@ from helpers import hf_logits, write_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from qwen_mini import CheckpointError, Config
+from qwen_mini import CheckpointError
+from qwen_mini.architectures import config_from_dict, config_from_file
 from qwen_mini.checkpoint import expected_shapes, load_checkpoint
 
 IDS = torch.tensor([[3, 17, 99, 42, 5, 64, 120, 7], [1, 2, 3, 4, 5, 6, 7, 8]])
@@ -50,7 +51,7 @@ def test_expected_shapes_are_what_transformers_writes(tmp_path, model_type, tied
     write_checkpoint(tmp_path, model_type, tied=tied, num_hidden_layers=3, attention_bias=True)
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
         saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    cfg = Config.from_file(tmp_path / "config.json")
+    cfg = config_from_file(tmp_path / "config.json")
     assert expected_shapes(cfg) == saved
 
 
@@ -207,7 +208,7 @@ def test_peak_memory_of_bf16_load_is_about_the_file(tmp_path):
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                max_position_embeddings=512, tie_word_embeddings=True)  # fmt: skip
     g = torch.Generator().manual_seed(0)
-    shapes = expected_shapes(Config.from_dict(cfg))
+    shapes = expected_shapes(config_from_dict(cfg))
     tensors = {k: torch.empty(s, dtype=torch.bfloat16).uniform_(-0.1, 0.1, generator=g)
                for k, s in shapes.items()}  # fmt: skip
     save_file(tensors, tmp_path / "model.safetensors")

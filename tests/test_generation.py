@@ -1,6 +1,7 @@
 """Generation: the cached decoding loop, the sampling filters, stopping, streaming, overflow."""
 
 import math
+from dataclasses import replace
 
 import helpers
 import pytest
@@ -8,7 +9,8 @@ import torch
 from helpers import tiny_config
 from torch import nn
 
-from qwen_mini import CausalLM, Config
+from qwen_mini import CausalLM
+from qwen_mini.architectures import config_from_dict
 from qwen_mini.generation import (
     Sampling,
     apply_presence_penalty,
@@ -47,7 +49,7 @@ class FakeLM(nn.Module):
 
     def __init__(self, logits_for, vocab_size=97, max_positions=64, eos=(96,)):
         super().__init__()
-        self.config = Config.from_dict(
+        self.config = config_from_dict(
             {
                 **TINY,
                 "vocab_size": vocab_size,
@@ -303,10 +305,10 @@ def test_stops_at_the_eos_argument_and_yields_it_last():
 
 def test_eos_from_generation_config_then_config():
     model = scripted([10, 11, 12, 13], eos=96)
-    model.config.eos_token_ids = [12]
+    model.config = replace(model.config, eos_token_ids=(12,))
     assert list(generate_tokens(model, [1], max_new_tokens=10, temperature=0)) == [10, 11, 12]
     model = scripted([10, 11, 12, 13], eos=96)
-    model.config.eos_token_ids = [12]
+    model.config = replace(model.config, eos_token_ids=(12,))
     model.generation_config = {"eos_token_id": 11}  # wins over config.json
     assert list(generate_tokens(model, [1], max_new_tokens=10, temperature=0)) == [10, 11]
 
@@ -362,7 +364,7 @@ def test_generate_accepts_ids_and_streams_random_model_text(tokenizer):
         "num_key_value_heads": 1,
         "max_position_embeddings": 256,
     }
-    model = CausalLM(Config.from_dict(cfg)).eval()
+    model = CausalLM(config_from_dict(cfg)).eval()
     kw = dict(max_new_tokens=40, temperature=1.0, seed=3, eos_token_ids=[])
     text = generate(model, tokenizer, [9707, 11], **kw)
     streamed = "".join(generate(model, tokenizer, [9707, 11], stream=True, **kw))
@@ -374,7 +376,7 @@ def test_generate_accepts_ids_and_streams_random_model_text(tokenizer):
 
 def test_overflow_is_refused_before_any_work():
     model = scripted([1, 2, 3])
-    model.config.max_position_embeddings = 64
+    model.config = replace(model.config, max_position_embeddings=64)
     with pytest.raises(ValueError, match=r"60 tokens.*64 positions.*at most 4"):
         generate_tokens(model, list(range(60)), max_new_tokens=10)  # raises at the call
     assert model.calls == 0

@@ -46,7 +46,7 @@ CHEATS = {
     0: (
         "c1301374",
         "ch00.rms_norm",
-        'from qwen_mini.foundations import RMSNorm\n\ncheck("ch00.rms_norm", RMSNorm)',
+        'from qwen_mini.norms import RMSNorm\n\ncheck("ch00.rms_norm", RMSNorm)',
     ),
     1: (
         "40391bf6",
@@ -57,7 +57,7 @@ CHEATS = {
     2: (
         "17187467",
         "ch02.project_qk",
-        'from qwen_mini.qk_norm import project_qk\n\ncheck("ch02.project_qk", project_qk)',
+        'from qwen_mini.course.lab.ch02 import project_qk\n\ncheck("ch02.project_qk", project_qk)',
     ),
     3: (
         "0c9192cc",

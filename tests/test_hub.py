@@ -12,8 +12,9 @@ from helpers import tiny_config
 from safetensors.torch import save_file
 
 from qwen_mini import CheckpointError, load_model
+from qwen_mini.architectures import config_from_dict, config_from_file
 from qwen_mini.checkpoint import expected_shapes
-from qwen_mini.config import ASSETS, Config
+from qwen_mini.config import ASSETS
 from qwen_mini.hub import (
     KNOWN_MODELS,
     DownloadError,
@@ -35,14 +36,14 @@ REAL = {
 QWEN3 = "Qwen/Qwen3-0.6B"
 # what the stand-ins share with the real models (everything but the sizes)
 SAME_AS_REAL = ("model_type", "vocab_size", "rope_theta", "max_position_embeddings",
-                "tie_word_embeddings", "qkv_bias", "qk_norm", "dtype", "rms_norm_eps")  # fmt: skip
+                "tie_word_embeddings", "attention_bias", "dtype", "rms_norm_eps")  # fmt: skip
 
 
 def write_tiny(folder: Path, value: float = 0.01) -> Path:
     """A valid tiny qwen3 checkpoint whose weights are all `value` (to tell folders apart)."""
     cfg = tiny_config(num_hidden_layers=1, tie_word_embeddings=True)
     folder.mkdir(parents=True, exist_ok=True)
-    shapes = expected_shapes(Config.from_dict(cfg))
+    shapes = expected_shapes(config_from_dict(cfg))
     save_file({k: torch.full(s, value) for k, s in shapes.items()}, folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(cfg))
     return folder
@@ -210,7 +211,7 @@ def test_load_model_on_a_device(env, tmp_path, capsys):
 @pytest.mark.parametrize("name", list(KNOWN_MODELS))
 def test_standin_has_the_real_architecture(name):
     model = load_standin(name)
-    ours, real = model.config, Config.from_file(REAL[name] / "config.json")
+    ours, real = model.config, config_from_file(REAL[name] / "config.json")
     for field in SAME_AS_REAL:
         assert getattr(ours, field) == getattr(real, field), field
     assert ours.num_key_value_heads < ours.num_attention_heads  # grouped, like the real ones

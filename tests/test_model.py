@@ -4,7 +4,8 @@ import pytest
 import torch
 from helpers import tiny_config, tiny_model
 
-from qwen_mini import CausalLM, Config
+from qwen_mini import CausalLM
+from qwen_mini.architectures import ARCHITECTURES, config_from_dict
 
 # 16 positions: the context limit is part of what these tests check
 CFG = tiny_config(vocab_size=97, max_position_embeddings=16, tie_word_embeddings=True)
@@ -53,7 +54,7 @@ def test_a_pass_that_fails_midway_leaves_the_cache_as_it_was(model, monkeypatch)
 
 def test_unknown_model_type_lists_the_supported_ones():
     with pytest.raises(ValueError, match="'qwen3_next'.*qwen2, qwen3"):
-        Config.from_dict(dict(CFG, model_type="qwen3_next"))
+        config_from_dict(dict(CFG, model_type="qwen3_next"))
 
 
 class StagedState:
@@ -85,7 +86,7 @@ class StagedState:
 class SummingMixer(torch.nn.Module):
     """A mixer that reads and writes a StagedState: adds the running sum to every position."""
 
-    def __init__(self, cfg, layer_idx):
+    def __init__(self, cfg, layer_idx, arch):
         super().__init__()
 
     def forward(self, x, cos, sin, cache=None):
@@ -99,15 +100,10 @@ class SummingMixer(torch.nn.Module):
 @torch.no_grad()
 def test_a_failed_pass_leaves_in_place_states_as_they_were(model, monkeypatch):
     """The cache protocol for states updated in place: stage, then commit or discard."""
-    from dataclasses import replace
-
-    from qwen_mini import architectures
-
-    arch = architectures.ARCHITECTURES["qwen3"]
-    mixers = {"full_attention": arch.mixers["full_attention"], "linear_attention": SummingMixer}
-    monkeypatch.setitem(architectures.ARCHITECTURES, "qwen3", replace(arch, mixers=mixers))
-    cfg = Config.from_dict(dict(CFG, layer_types=["linear_attention", "full_attention"]))
-    hybrid = CausalLM(cfg).eval()
+    arch = ARCHITECTURES["qwen3"].with_blocks(mixers={"linear_attention": SummingMixer})
+    layer_types = ["linear_attention", "full_attention"]
+    cfg = config_from_dict(dict(CFG, layer_types=layer_types), arch=arch)
+    hybrid = CausalLM(cfg, arch=arch).eval()
     assert type(hybrid.model.layers[0].linear_attn) is SummingMixer
     cache = hybrid.new_cache()
     hybrid(IDS[:, :5], cache)
@@ -139,6 +135,6 @@ def test_truncate_reuses_a_prefix(model):
 
 def test_layer_types_must_name_known_mixers():
     with pytest.raises(ValueError, match="layer_types.*full_attention"):
-        Config.from_dict(dict(CFG, layer_types=["full_attention", "sliding_attention"]))
+        config_from_dict(dict(CFG, layer_types=["full_attention", "sliding_attention"]))
     with pytest.raises(ValueError, match="one mixer per layer"):
-        Config.from_dict(dict(CFG, layer_types=["full_attention"]))
+        config_from_dict(dict(CFG, layer_types=["full_attention"]))

@@ -13,6 +13,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
 
 from qwen_mini import moe
+from qwen_mini.course.lab import ch03 as lab
 
 H, I, I_SHARED = 32, 24, 40
 
@@ -177,10 +178,10 @@ def test_load_balancing_loss_matches_transformers(E, k, layers, N):
     g = torch.Generator().manual_seed(E + k)
     logits = [torch.randn(N, E, generator=g) * 2 for _ in range(layers)]
     want = load_balancing_loss_func(tuple(logits), E, k)
-    torch.testing.assert_close(moe.load_balancing_loss(logits, k), want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lab.load_balancing_loss(logits, k), want, atol=1e-6, rtol=1e-6)
     for one in logits:  # per layer: the same function on one layer
         torch.testing.assert_close(
-            moe.load_balancing_loss([one], k), load_balancing_loss_func((one,), E, k)
+            lab.load_balancing_loss([one], k), load_balancing_loss_func((one,), E, k)
         )
 
 
@@ -192,11 +193,11 @@ def test_what_f_sums_to():
     for i in range(E):
         for j in range(k):
             logits[i, (i + j) % E] = 5.0
-    counts, prob_sums, n = moe.routing_statistics(logits, k)
+    counts, prob_sums, n = lab.routing_statistics(logits, k)
     assert n == E and counts.sum() == E * k
     assert torch.equal(counts, torch.full((E,), float(k)))  # every expert serves k tokens
     torch.testing.assert_close(prob_sums, torch.ones(E))  # cyclic symmetry: P_e = 1/E
-    torch.testing.assert_close(moe.load_balancing_loss([logits], k), torch.tensor(float(k)))
+    torch.testing.assert_close(lab.load_balancing_loss([logits], k), torch.tensor(float(k)))
     torch.testing.assert_close(load_balancing_loss_func((logits,), E, k), torch.tensor(float(k)))
 
 
@@ -207,7 +208,7 @@ def test_global_batch_loss_counts_over_all_micro_batches():
     domain_a = torch.tensor([[4.0, 0.0]]).repeat(N, 1)
     domain_b = torch.tensor([[0.0, 4.0]]).repeat(N, 1)
     micro = [[domain_a], [domain_b]]
-    global_loss = moe.global_load_balancing_loss(micro, k)
+    global_loss = lab.global_load_balancing_loss(micro, k)
     # oracle: transformers' loss on the global batch (the micro-batches concatenated)
     want = load_balancing_loss_func((torch.cat([domain_a, domain_b]),), E, k)
     torch.testing.assert_close(global_loss, want)
@@ -215,7 +216,7 @@ def test_global_batch_loss_counts_over_all_micro_batches():
     # f = (1, 0), P = (p, 1 - p) with p = sigmoid(4) -> 2p
     torch.testing.assert_close(global_loss, torch.tensor(1.0))
     p = torch.sigmoid(torch.tensor(4.0))
-    per_micro = torch.stack([moe.load_balancing_loss(m, k) for m in micro]).mean()
+    per_micro = torch.stack([lab.load_balancing_loss(m, k) for m in micro]).mean()
     torch.testing.assert_close(per_micro, 2 * p)
 
 
@@ -226,7 +227,7 @@ def test_global_batch_loss_matches_transformers_on_the_concatenation(layers):
     micro = [[torch.randn(n, E, generator=g) for _ in range(layers)] for n in (5, 9, 7)]
     joined = tuple(torch.cat([m[layer] for m in micro]) for layer in range(layers))
     torch.testing.assert_close(
-        moe.global_load_balancing_loss(micro, k),
+        lab.global_load_balancing_loss(micro, k),
         load_balancing_loss_func(joined, E, k),
         atol=1e-6,
         rtol=1e-6,
@@ -238,11 +239,11 @@ def test_global_batch_loss_matches_transformers_on_the_concatenation(layers):
 
 @pytest.mark.parametrize("E", [1, 2, 4, 8])
 def test_split_mlp_with_every_expert_at_unit_weight_is_the_dense_mlp(E):
-    from qwen_mini.foundations import MLP
+    from qwen_mini.mlp import MLP
 
     dense = MLP(H, 48)
     _randomize(dense, seed=E)
-    experts = moe.split_mlp(dense, E)
+    experts = lab.split_mlp(dense, E)
     assert len(experts) == E
     assert experts[0].gate_proj.weight.shape == (48 // E, H)
     assert experts[0].down_proj.weight.shape == (H, 48 // E)
@@ -256,7 +257,7 @@ def test_split_mlp_with_every_expert_at_unit_weight_is_the_dense_mlp(E):
 
 
 def test_split_mlp_rejects_an_uneven_split():
-    from qwen_mini.foundations import MLP
+    from qwen_mini.mlp import MLP
 
     with pytest.raises(ValueError, match="not divisible"):
-        moe.split_mlp(MLP(H, 48), 5)
+        lab.split_mlp(MLP(H, 48), 5)

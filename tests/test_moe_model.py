@@ -22,8 +22,9 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 
 import qwen_mini
 from qwen_mini import moe
+from qwen_mini.architectures import config_from_dict, config_from_file
 from qwen_mini.checkpoint import CheckpointError, expected_shapes, meta_model
-from qwen_mini.config import ASSETS, Config
+from qwen_mini.config import ASSETS
 
 CONFIG_30B = ASSETS / "configs" / "qwen3-30b-a3b"
 FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -77,7 +78,7 @@ def test_stored_layout_is_what_transformers_writes(tmp_path):
     assert "model.layers.1.mlp.experts.5.down_proj.weight" in written  # one by one
     assert stored_layout({k: tuple(v.shape) for k, v in hf.state_dict().items()}) == written
     # and the package expects exactly those tensors for that config
-    cfg = Config.from_dict({"model_type": "qwen3_moe", **TINY_MOE, "max_position_embeddings": 64})
+    cfg = config_from_dict({"model_type": "qwen3_moe", **TINY_MOE, "max_position_embeddings": 64})
     assert expected_shapes(cfg) == written
 
 
@@ -89,7 +90,7 @@ def test_sparse_layers_are_those_of_transformers(sparse_step, mlp_only, E):
     fields = dict(TINY_MOE, num_hidden_layers=6, num_experts=E, decoder_sparse_step=sparse_step)
     fields.update(mlp_only_layers=mlp_only, num_experts_per_tok=min(2, max(E, 1)))
     hf_cfg = Qwen3MoeConfig(**fields)
-    ours = Config.from_dict({"model_type": "qwen3_moe", **fields, "max_position_embeddings": 64})
+    ours = config_from_dict({"model_type": "qwen3_moe", **fields, "max_position_embeddings": 64})
     model = meta_model(ours)
     for i in range(6):
         hf_sparse = isinstance(Qwen3MoeDecoderLayer(hf_cfg, i).mlp, Qwen3MoeSparseMoeBlock)
@@ -103,7 +104,7 @@ def test_sparse_layers_are_those_of_transformers(sparse_step, mlp_only, E):
 @pytest.fixture(scope="module")
 def real_30b():
     """(our meta model, transformers' meta model) of the verbatim Qwen3-30B-A3B config."""
-    cfg = Config.from_file(CONFIG_30B / "config.json")
+    cfg = config_from_file(CONFIG_30B / "config.json")
     ours = meta_model(cfg)
     with torch.device("meta"):
         theirs = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(CONFIG_30B))

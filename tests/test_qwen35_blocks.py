@@ -12,15 +12,12 @@ from helpers import hf_config
 from transformers import Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
+from qwen_mini.architectures import ARCHITECTURES, config_from_dict
+from qwen_mini.attention import GatedAttention
 from qwen_mini.config import Config
-from qwen_mini.deltanet import (
-    DeltaNetState,
-    GatedAttention,
-    GatedDeltaNet,
-    GatedRMSNorm,
-    ZeroCentredRMSNorm,
-)
-from qwen_mini.foundations import rope_cos_sin
+from qwen_mini.deltanet import DeltaNetState, GatedDeltaNet
+from qwen_mini.norms import GatedRMSNorm, ZeroCentredRMSNorm
+from qwen_mini.rope import rope_cos_sin
 
 TOL = 1e-5
 
@@ -52,7 +49,7 @@ def randomize(module: torch.nn.Module, seed: int = 0) -> None:
 
 def ours_config(cfg: Qwen3_5TextConfig) -> Config:
     """The same config as qwen_mini reads it from config.json."""
-    return Config.from_dict(cfg.to_dict())
+    return config_from_dict(cfg.to_dict())
 
 
 def deltanet_pair(value_heads: int = 4, seed: int = 0):
@@ -201,7 +198,7 @@ def attention_pair(seed: int = 0):
     cfg._attn_implementation = "eager"
     ref = hf.Qwen3_5Attention(cfg, 3).eval()
     randomize(ref, seed)
-    ours = GatedAttention(ours_config(cfg), 3).eval()
+    ours = GatedAttention(ours_config(cfg), 3, ARCHITECTURES["qwen3_5_text"]).eval()
     ours.load_state_dict(ref.state_dict())
     return ours, ref, cfg
 

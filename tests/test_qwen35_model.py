@@ -21,6 +21,7 @@ from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_modeling
 
 import qwen_mini
+from qwen_mini.architectures import config_from_file
 from qwen_mini.config import ASSETS
 from qwen_mini.deltanet import DeltaNetState
 
@@ -234,12 +235,11 @@ def test_real_qwen3_5_shape_in_bfloat16(tmp_path):
 def test_standin_has_the_real_qwen3_5_design_and_matches_transformers(tmp_path):
     from transformers import Qwen3_5ForCausalLM
 
-    from qwen_mini.config import Config
     from qwen_mini.standin import STANDINS, load_standin
 
     name = "Qwen/Qwen3.5-0.8B"
     model = load_standin(name, torch.float32)
-    ours, real = model.config, Config.from_file(CONFIGS / "qwen3.5-0.8b" / "config.json")
+    ours, real = model.config, config_from_file(CONFIGS / "qwen3.5-0.8b" / "config.json")
     for field in ("model_type", "vocab_size", "rope_theta", "max_position_embeddings",
                   "tie_word_embeddings", "partial_rotary_factor", "attn_output_gate",
                   "linear_conv_kernel_dim", "eos_token_ids", "dtype"):  # fmt: skip

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from qwen_mini import attention as ref
 from qwen_mini import decoder as dec
 from qwen_mini.course.checking import run_checks
-from qwen_mini.foundations import apply_rope
+from qwen_mini.course.lab import ch01 as lab
+from qwen_mini.rope import apply_rope
 
 # load_weights without assign=True into a meta model: torch warns, the check fails it
 pytestmark = pytest.mark.filterwarnings("ignore:for .*copying from a non-meta:UserWarning")
@@ -232,13 +233,13 @@ def regroup_tiled(w, head_dim, n_kv_new):
     if n_kv_new >= n_kv:
         heads = w.reshape(n_kv, head_dim, *w.shape[1:]).repeat(n_kv_new // n_kv, *[1] * (w.dim()))
         return heads.reshape(n_kv_new * head_dim, *w.shape[1:])
-    return ref.regroup_kv_heads(w, head_dim, n_kv_new)
+    return lab.regroup_kv_heads(w, head_dim, n_kv_new)
 
 
 def regroup_strided_mean(w, head_dim, n_kv_new):
     n_kv = w.shape[0] // head_dim
     if n_kv_new >= n_kv:
-        return ref.regroup_kv_heads(w, head_dim, n_kv_new)
+        return lab.regroup_kv_heads(w, head_dim, n_kv_new)
     heads = w.reshape(n_kv // n_kv_new, n_kv_new, head_dim, *w.shape[1:]).mean(0)
     return heads.reshape(n_kv_new * head_dim, *w.shape[1:])
 
@@ -278,7 +279,7 @@ def layer_variant(kind):
 
 
 def forward_variant(kind):
-    from qwen_mini.foundations import rope_cos_sin
+    from qwen_mini.rope import rope_cos_sin
 
     def model_forward(model, input_ids, cache=None, last_only=False):
         cfg, backbone = model.config, model.model

@@ -7,27 +7,27 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qwen_mini import qk_norm as ref
 from qwen_mini.attention import causal_mask, split_heads
 from qwen_mini.course.checking import run_checks
-from qwen_mini.foundations import apply_rope
+from qwen_mini.course.lab import ch02 as lab
+from qwen_mini.rope import apply_rope
 
 # --- bias_logit_terms ----------------------------------------------------------------------------
 
 
 def terms_swapped(qx, kx, b_q, b_k):
-    t = ref.bias_logit_terms(qx, kx, b_q, b_k)
+    t = lab.bias_logit_terms(qx, kx, b_q, b_k)
     return dict(t, query_bias=t["key_bias"], key_bias=t["query_bias"])
 
 
 def terms_scaled(qx, kx, b_q, b_k):
     return {
-        n: v / math.sqrt(qx.shape[-1]) for n, v in ref.bias_logit_terms(qx, kx, b_q, b_k).items()
+        n: v / math.sqrt(qx.shape[-1]) for n, v in lab.bias_logit_terms(qx, kx, b_q, b_k).items()
     }
 
 
 def terms_no_bias_bias(qx, kx, b_q, b_k):
-    return dict(ref.bias_logit_terms(qx, kx, b_q, b_k), bias_bias=torch.zeros(len(qx), len(kx)))
+    return dict(lab.bias_logit_terms(qx, kx, b_q, b_k), bias_bias=torch.zeros(len(qx), len(kx)))
 
 
 # --- rope_bias_term ------------------------------------------------------------------------------
@@ -95,23 +95,23 @@ def stats_unscaled(q, k):
 
 
 def stats_max_over_future(q, k):
-    _, e = ref.logit_stats(q, k)
+    _, e = lab.logit_stats(q, k)
     return _logits(q, k, mask=False).amax(dim=(0, 2, 3)), e
 
 
 def stats_nan_entropy(q, k):
-    m, _ = ref.logit_stats(q, k)
+    m, _ = lab.logit_stats(q, k)
     p = _logits(q, k).softmax(-1)
     return m, -(p * p.log()).sum(-1).mean(dim=(0, 2))  # 0 * log 0 = nan
 
 
 def stats_bits(q, k):
-    m, e = ref.logit_stats(q, k)
+    m, e = lab.logit_stats(q, k)
     return m, e / math.log(2)
 
 
 def stats_all_heads(q, k):
-    m, e = ref.logit_stats(q, k)
+    m, e = lab.logit_stats(q, k)
     return m.max(), e.mean()
 
 

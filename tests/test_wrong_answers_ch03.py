@@ -8,7 +8,8 @@ from torch import nn
 
 from qwen_mini import moe
 from qwen_mini.course.checking import run_checks
-from qwen_mini.foundations import MLP
+from qwen_mini.course.lab import ch03 as lab
+from qwen_mini.mlp import MLP
 
 # --- route ---------------------------------------------------------------------------------------
 
@@ -82,7 +83,7 @@ def shared_with_softmax(x, shared_expert, shared_expert_gate):
 
 
 def stats_as_fractions(logits, k):
-    counts, prob_sums, n = moe.routing_statistics(logits, k)
+    counts, prob_sums, n = lab.routing_statistics(logits, k)
     return counts / (n * k), prob_sums, n
 
 
@@ -97,26 +98,26 @@ def stats_probs_of_the_top_k_only(logits, k):
 
 
 def loss_f_over_slots(router_logits, k):
-    return moe.load_balancing_loss(router_logits, k) / k
+    return lab.load_balancing_loss(router_logits, k) / k
 
 
 def loss_without_factor_e(router_logits, k):
-    return moe.load_balancing_loss(router_logits, k) / router_logits[0].shape[-1]
+    return lab.load_balancing_loss(router_logits, k) / router_logits[0].shape[-1]
 
 
 def loss_mean_of_layers(router_logits, k):
-    return torch.stack([moe.load_balancing_loss([x], k) for x in router_logits]).mean()
+    return torch.stack([lab.load_balancing_loss([x], k) for x in router_logits]).mean()
 
 
 # --- global_load_balancing_loss ------------------------------------------------------------------
 
 
 def global_per_micro_batch(micro_batches, k):
-    return torch.stack([moe.load_balancing_loss(m, k) for m in micro_batches]).mean()
+    return torch.stack([lab.load_balancing_loss(m, k) for m in micro_batches]).mean()
 
 
 def global_last_micro_batch_only(micro_batches, k):
-    return moe.load_balancing_loss(micro_batches[-1], k)
+    return lab.load_balancing_loss(micro_batches[-1], k)
 
 
 # --- split_mlp -----------------------------------------------------------------------------------

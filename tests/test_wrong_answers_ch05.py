@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen_mini import deltanet as ref
+from qwen_mini import norms
 from qwen_mini.course.checking import run_checks
 
 
@@ -120,19 +121,19 @@ def conv_state_from_x_only(x, weight, conv_state):
     return y, F.pad(x, (max(0, K - 1 - x.shape[-1]), 0))[..., -(K - 1) :]
 
 
-class NormZeroCentred(ref.GatedRMSNorm):
+class NormZeroCentred(norms.GatedRMSNorm):
     def forward(self, x, z):
         x = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         return x * (1 + self.weight) * F.silu(z.float())
 
 
-class NormSigmoidGate(ref.GatedRMSNorm):
+class NormSigmoidGate(norms.GatedRMSNorm):
     def forward(self, x, z):
         x = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         return x * self.weight * torch.sigmoid(z.float())
 
 
-class NormGateFirst(ref.GatedRMSNorm):
+class NormGateFirst(norms.GatedRMSNorm):
     def forward(self, x, z):
         x = x.float() * F.silu(z.float())
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight

@@ -10,8 +10,8 @@ those tagged `solution-only`; each `### BEGIN SOLUTION` … `### END SOLUTION` r
 execution counts and widget state are cleared and the kernelspec is normalised. Cells tagged
 `export` are written, solutions included, into the module named by the notebook metadata
 `{"qwen_mini": {"export": "qwen_mini/<module>.py"}}`; a cell tagged `export:qwen_mini/<other>.py`
-goes to that module instead (one chapter can export to several modules). Each module is then
-sorted and formatted by ruff.
+goes to that module instead (one chapter can export to several modules, and several chapters to
+one module, in the order of their names). Each module is then sorted and formatted by ruff.
 
 A learner's work is never overwritten: each learner copy records a digest of its cells in its
 metadata, and a `course/` notebook whose cells no longer match it (answers, outputs, added cells)
@@ -167,29 +167,128 @@ def export_targets(nb: dict, name: str) -> list[str]:
     return found
 
 
-def header(name: str) -> str:
-    # two lines: the sentence does not fit in the 100-column limit on one
+def header(names: list[str]) -> str:
+    if len(names) == 1:  # two lines: the sentence does not fit in the 100-column limit on one
+        return (
+            f"# Generated from solutions/{names[0]} by python -m qwen_mini.course.build —\n"
+            "# edit the notebook, not this file.\n"
+        )
+    lines = ["# Generated from " + ", ".join(f"solutions/{name}" for name in names)]
     return (
-        f"# Generated from solutions/{name} by python -m qwen_mini.course.build —\n"
-        "# edit the notebook, not this file.\n"
+        "\n".join(lines)
+        + "\n# by python -m qwen_mini.course.build — edit the notebooks, not this file.\n"
     )
 
 
-def module_source(nb: dict, name: str, target: str | None = None) -> str:
-    """The cells exported to `target` (default: the notebook's own module) joined, before ruff
-    sorts imports and formats."""
-    default = export_target(nb, name)
-    target = target or default
-    parts = []
-    for i, cell in enumerate(nb["cells"]):
-        place = nbs.where(f"solutions/{name}", i, cell)
-        if cell.get("cell_type") != "code" or cell_target(cell, default, place) != target:
+def _module_name(target: str) -> str:
+    return target.removesuffix(".py").replace("/", ".")
+
+
+def split_imports(text: str) -> tuple[str | None, list[str], str]:
+    """(leading docstring or None, top-level import statements, the rest) of a cell's code."""
+    tree = ast.parse(text)
+    lines = text.splitlines(keepends=True)
+    doc, imports, taken = None, [], set()
+    for i, node in enumerate(tree.body):
+        is_doc = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+        if i == 0 and is_doc and isinstance(node.value.value, str):
+            doc = "".join(lines[node.lineno - 1 : node.end_lineno]).strip()
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            imports.append("".join(lines[node.lineno - 1 : node.end_lineno]).strip())
+        else:
             continue
-        text = without_exercise_calls(nbs.export_source(nbs.source(cell), place), place)
-        if text.strip():
-            parts.append(text.strip("\n"))
-    # two blank lines between cells is always valid formatting at the top level
-    return header(name) + "\n" + "\n\n\n".join(parts) + "\n"
+        taken.update(range(node.lineno - 1, node.end_lineno))
+    rest = "".join(line for n, line in enumerate(lines) if n not in taken).strip("\n")
+    return doc, imports, rest
+
+
+def _defined_names(code: str) -> set[str]:
+    names = set()
+    for node in ast.parse(code).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names
+
+
+def _foreign(statement: str, target: str, defined: set[str]) -> bool:
+    """Whether an import belongs in module `target`: not an import of the module itself, nor of
+    a name the module defines (a notebook imports what an earlier chapter exported there)."""
+    node = ast.parse(statement).body[0]
+    if isinstance(node, ast.ImportFrom) and node.module == _module_name(target):
+        return False
+    names = {(a.asname or a.name).split(".")[0] for a in node.names}
+    return not names & defined
+
+
+def module_parts(notebooks: list[tuple[str, dict]], target: str) -> tuple[list, list, list]:
+    """(docstrings, imports, code) of the cells that the (name, notebook) pairs export to
+    `target`, in order.
+
+    Every top-level import of a notebook's export cells is offered to each module the notebook
+    exports to (the notebook's setup cell imports for all of them); ruff later drops the ones a
+    module does not use. A module's docstring is the leading string of its first cell, or the
+    notebook metadata's `{"qwen_mini": {"docstrings": {target: text}}}`.
+    """
+    docs, imports, parts = [], [], []
+    for name, nb in notebooks:
+        default = export_target(nb, name)
+        given = nb.get("metadata", {}).get("qwen_mini", {}).get("docstrings", {}).get(target)
+        if given:
+            docs.append(f'"""{given.strip()}\n"""' if "\n" in given.strip() else f'"""{given}"""')
+        for i, cell in enumerate(nb["cells"]):
+            place = nbs.where(f"solutions/{name}", i, cell)
+            if cell.get("cell_type") != "code":
+                continue
+            to = cell_target(cell, default, place)
+            if to is None:
+                continue
+            text = without_exercise_calls(nbs.export_source(nbs.source(cell), place), place)
+            doc, found, rest = split_imports(text)
+            imports += found
+            if to == target:
+                docs += [doc] if doc else []
+                parts += [rest] if rest.strip() else []
+    if len(docs) > 1:
+        raise NotebookError(f"{target}: more than one module docstring in its notebooks")
+    return docs, imports, parts
+
+
+def _used_names(code: str) -> set[str]:
+    return {n.id for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Name)}
+
+
+def _imported_names(statements: list[str]) -> set[str]:
+    nodes = [ast.parse(s).body[0] for s in statements]
+    return {(a.asname or a.name).split(".")[0] for node in nodes for a in node.names}
+
+
+def module_sources(exporters: dict[str, list[tuple[str, dict]]]) -> dict[str, str]:
+    """{target: source before ruff}. A name a module uses but does not define or import, which
+    another exported module defines, is imported from there: a chapter that exports a block to
+    one module and its user to another needs no import of its own notebook's code."""
+    pieces = {t: module_parts(nbs_, t) for t, nbs_ in exporters.items()}
+    defined = {t: _defined_names("\n\n".join(p[2])) for t, p in pieces.items()}
+    out = {}
+    for target, (docs, imports, parts) in pieces.items():
+        code = "\n\n".join(parts)
+        imports = [s for s in dict.fromkeys(imports) if _foreign(s, target, defined[target])]
+        missing = _used_names(code) - defined[target] - _imported_names(imports)
+        for other, names in defined.items():
+            # a model's module never imports from the course room
+            room = other.startswith("qwen_mini/course/") and not target.startswith(
+                "qwen_mini/course/"
+            )
+            wanted = sorted(missing & names) if other != target and not room else []
+            if wanted:
+                imports.append(f"from {_module_name(other)} import {', '.join(wanted)}")
+        top = "\n".join(docs + [""] + imports) if docs else "\n".join(imports)
+        names = [name for name, _ in exporters[target]]
+        # two blank lines between cells is always valid formatting at the top level
+        out[target] = header(names) + "\n" + top + "\n\n\n" + "\n\n\n".join(parts) + "\n"
+    return out
 
 
 def _is_exercise_call(node: ast.AST) -> bool:
@@ -226,11 +325,12 @@ def _ruff(args: list[str], text: str, path: Path) -> subprocess.CompletedProcess
 
 
 def ruff_format(text: str, path: Path) -> str:
-    """Sort imports and format like `ruff check --select I --fix` + `ruff format` would."""
+    """Sort imports, drop unused ones and format, as `ruff check --select I,F401 --fix` and
+    `ruff format` would."""
     if ruff_executable() is None:
         print("note: ruff not found; exported modules are written unformatted", file=sys.stderr)
         return text
-    for args in (["check", "--select", "I", "--fix", "--quiet"], ["format", "--quiet"]):
+    for args in (["check", "--select", "I,F401", "--fix", "--quiet"], ["format", "--quiet"]):
         done = _ruff(args, text, path)
         if done.returncode != 0 or not done.stdout:
             raise NotebookError(f"{path}: ruff {args[0]} failed:\n{done.stdout}{done.stderr}")
@@ -249,19 +349,16 @@ def ruff_problems(text: str, path: Path) -> str:
 
 
 def expected_files(root: Path) -> dict[Path, str]:
-    """{path: text} of every generated file, computed from root/solutions."""
+    """{path: text} of every generated file, computed from root/solutions. A module may take
+    cells from several notebooks: theirs in the order of the notebooks' names."""
     files, exporters = {}, {}
     for path in sorted((root / "solutions").glob("*.ipynb")):
         nb = nbs.load(path)
         files[root / "course" / path.name] = nbs.dumps(learner_notebook(nb, path.name))
         for target in export_targets(nb, path.name):
-            if target in exporters:
-                raise NotebookError(
-                    f"solutions/{path.name} and solutions/{exporters[target]} both export {target}"
-                )
-            exporters[target] = path.name
-            text = module_source(nb, path.name, target)
-            files[root / target] = ruff_format(text, root / target)
+            exporters.setdefault(target, []).append((path.name, nb))
+    for target, text in module_sources(exporters).items():
+        files[root / target] = ruff_format(text, root / target)
     return files
 
 

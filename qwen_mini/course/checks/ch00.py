@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from qwen_mini import foundations as ref
+from qwen_mini import mlp, norms, rope, safetensors_file
+from qwen_mini.architectures import config_from_dict
 from qwen_mini.config import ASSETS, Config
 from qwen_mini.course.checking import (
     expect_close,
@@ -34,40 +35,41 @@ from qwen_mini.course.checking import (
     randn,
     register,
 )
+from qwen_mini.course.lab import ch00 as lab
 from qwen_mini.model import CausalLM
 
 register(
     "ch00.read_safetensors_header",
-    reference=ref.read_safetensors_header,
+    reference=safetensors_file.read_safetensors_header,
     points=1,
     title="Read the JSON header of a safetensors file",
 )
-register("ch00.rms_norm", reference=ref.RMSNorm, points=1, title="RMSNorm, computed in float32")
-register("ch00.mlp", reference=ref.MLP, points=1, title="SwiGLU feed-forward block")
+register("ch00.rms_norm", reference=norms.RMSNorm, points=1, title="RMSNorm, computed in float32")
+register("ch00.mlp", reference=mlp.MLP, points=1, title="SwiGLU feed-forward block")
 register(
     "ch00.rope_cos_sin",
-    reference=ref.rope_cos_sin,
+    reference=rope.rope_cos_sin,
     points=1,
     title="RoPE angles: cos and sin per position",
 )
 register(
     "ch00.rotate_half",
-    reference=ref.rotate_half,
+    reference=rope.rotate_half,
     points=1,
     title="rotate_half: the partner vector that sin multiplies",
 )
 register(
-    "ch00.apply_rope", reference=ref.apply_rope, points=1, title="Apply rotary position embeddings"
+    "ch00.apply_rope", reference=rope.apply_rope, points=1, title="Apply rotary position embeddings"
 )
 register(
     "ch00.count_params",
-    reference=ref.count_params,
+    reference=lab.count_params,
     points=2,
     title="Parameter count of a dense Qwen model from its config",
 )
 register(
     "ch00.zero_layer_lm",
-    reference=ref.ZeroLayerLM,
+    reference=lab.ZeroLayerLM,
     points=1,
     title="Zero-layer model: embedding -> final norm -> tied head",
 )
@@ -159,7 +161,8 @@ def _(read_safetensors_header):
             "data_offsets": h["model.embed_tokens.weight"]["data_offsets"],
         },
     )
-    expect_equal("the whole header vs the reference", h, ref.read_safetensors_header(path))
+    reference = safetensors_file.read_safetensors_header(path)
+    expect_equal("the whole header vs the reference", h, reference)
 
 
 _BIG = 64 * 2**20  # bytes of tensor data after the header in the "read only the header" check
@@ -312,7 +315,7 @@ def _(RMSNorm):
     expect_close(
         "float32 input, random weight, vs reference",
         _norm(RMSNorm, 16, w)(x),
-        _norm(ref.RMSNorm, 16, w)(x),
+        _norm(norms.RMSNorm, 16, w)(x),
         atol=1e-6,
         rtol=1e-5,
     )
@@ -332,7 +335,7 @@ def _bf16_norm_checks(RMSNorm, x: torch.Tensor, w: torch.Tensor) -> None:
         "float32 inside: with weight 1 and bfloat16 input, normalise in float32 and round once "
         "to bfloat16 at the end (a bfloat16 computation rounds every step)",
         ones.float(),
-        _norm(ref.RMSNorm, dim).bfloat16()(x).float(),
+        _norm(norms.RMSNorm, dim).bfloat16()(x).float(),
         atol=0,
         rtol=0,
     )
@@ -340,7 +343,7 @@ def _bf16_norm_checks(RMSNorm, x: torch.Tensor, w: torch.Tensor) -> None:
         "the weight multiplies after the cast back to bfloat16, as in the reference (the "
         "product in float32, cast afterwards, rounds differently)",
         got.float(),
-        _norm(ref.RMSNorm, dim, w).bfloat16()(x).float(),
+        _norm(norms.RMSNorm, dim, w).bfloat16()(x).float(),
         atol=0,
         rtol=0,
     )
@@ -371,7 +374,7 @@ def _(RMSNorm):
     expect_close(
         "large bfloat16 values",
         RMSNorm(128)(xb).float(),
-        ref.RMSNorm(128)(xb).float(),
+        norms.RMSNorm(128)(xb).float(),
         atol=0,
         rtol=0,
     )
@@ -426,7 +429,7 @@ def _(MLP):
 
 def _mlp_vs_reference(MLP, hidden_size: int, inter: int, seed: int) -> None:
     torch.manual_seed(seed)
-    r = ref.MLP(hidden_size, inter)
+    r = mlp.MLP(hidden_size, inter)
     m = MLP(hidden_size, inter)
     m.load_state_dict(r.state_dict())
     x = randn(2, 3, hidden_size, seed=seed + 7)
@@ -538,7 +541,7 @@ def _(rope_cos_sin):
 @public("ch00.rope_cos_sin")
 def _(rope_cos_sin):
     pos = torch.tensor([0, 1, 7, 100, 4000])
-    (cos, sin), (rcos, rsin) = rope_cos_sin(pos, 16, 1e6), ref.rope_cos_sin(pos, 16, 1e6)
+    (cos, sin), (rcos, rsin) = rope_cos_sin(pos, 16, 1e6), rope.rope_cos_sin(pos, 16, 1e6)
     _diagnose(
         "cos vs reference (head_dim 16, theta 1e6)",
         cos,
@@ -552,7 +555,7 @@ def _(rope_cos_sin):
 
 def _far_positions(rope_cos_sin, pos: torch.Tensor, head_dim: int, theta: float) -> None:
     got = rope_cos_sin(pos, head_dim, theta, torch.bfloat16)
-    want = ref.rope_cos_sin(pos, head_dim, theta, torch.bfloat16)
+    want = rope.rope_cos_sin(pos, head_dim, theta, torch.bfloat16)
     expect_equal("dtype of cos follows the dtype argument", got[0].dtype, torch.bfloat16)
     expect_equal("dtype of sin follows the dtype argument", got[1].dtype, torch.bfloat16)
     for g, w, what in zip(got, want, ("cos", "sin"), strict=True):
@@ -578,7 +581,7 @@ def _(rope_cos_sin):
     for head_dim, theta in ((64, 10000.0), (6, 500.0)):
         (cos, sin), (rcos, rsin) = (
             rope_cos_sin(pos, head_dim, theta),
-            ref.rope_cos_sin(pos, head_dim, theta),
+            rope.rope_cos_sin(pos, head_dim, theta),
         )
         what = f"(head_dim {head_dim}, theta {theta:g}, random positions)"
         expect_close(f"cos vs reference {what}", cos, rcos, atol=1e-4, rtol=1e-4)
@@ -616,7 +619,7 @@ def _(rotate_half):
 @public("ch00.rotate_half")
 def _(rotate_half):
     x = randn(2, 3, 5, 8, seed=9)
-    want, wrong = ref.rotate_half(x), _rotate_wrong(x)
+    want, wrong = rope.rotate_half(x), _rotate_wrong(x)
     wrong["split the LAST dimension (the head dimension), not the first"] = torch.cat(
         [-x.chunk(2, 0)[1], x.chunk(2, 0)[0]], 0
     )
@@ -647,12 +650,12 @@ def _(rotate_half):
 
 
 def _rope(apply_rope, x, positions, theta=10000.0):
-    cos, sin = ref.rope_cos_sin(torch.as_tensor(positions), x.shape[-1], theta)
+    cos, sin = rope.rope_cos_sin(torch.as_tensor(positions), x.shape[-1], theta)
     return apply_rope(x, cos, sin)
 
 
 def _rope_wrong(x, cos, sin) -> dict:
-    rh = ref.rotate_half(x)
+    rh = rope.rotate_half(x)
     even, odd = x[..., 0::2], x[..., 1::2]
     c, s = cos[..., 0::2], sin[..., 0::2]  # an (interleaved) pair's angle
     return {
@@ -671,11 +674,11 @@ def _rope_wrong(x, cos, sin) -> dict:
 @public("ch00.apply_rope")
 def _(apply_rope):
     x = randn(2, 3, 6, 16, seed=11)
-    cos, sin = ref.rope_cos_sin(torch.arange(6), 16, 10000.0)
+    cos, sin = rope.rope_cos_sin(torch.arange(6), 16, 10000.0)
     _diagnose(
         "apply_rope vs reference",
         apply_rope(x, cos, sin),
-        ref.apply_rope(x, cos, sin),
+        rope.apply_rope(x, cos, sin),
         _rope_wrong(x, cos, sin),
         atol=1e-6,
         rtol=1e-5,
@@ -718,11 +721,11 @@ def _(apply_rope):
         "q.k depends on the distance only: (7, 3) vs (107, 103)", s2, s1, atol=1e-4, rtol=1e-4
     )
     y = randn(3, 1, 9, 12, seed=16)
-    cos, sin = ref.rope_cos_sin(torch.arange(40, 49), 12, 1e6)
+    cos, sin = rope.rope_cos_sin(torch.arange(40, 49), 12, 1e6)
     expect_close(
         "apply_rope vs reference on [3, 1, 9, 12] at positions 40..48",
         apply_rope(y, cos, sin),
-        ref.apply_rope(y, cos, sin),
+        rope.apply_rope(y, cos, sin),
         atol=1e-5,
         rtol=1e-5,
     )
@@ -838,13 +841,13 @@ def _(count_params):
     _expect_counts("Qwen2.5-0.5B (QKV biases, head_dim = 896 / 14)", c, _QWEN25_05B)
     expect_equal("Qwen2.5-0.5B unique", c["unique"], 494_032_768)
     expect_equal(
-        "Qwen2.5-0.5B: the whole result vs reference", c, ref.count_params(dict(_QWEN25_05B))
+        "Qwen2.5-0.5B: the whole result vs reference", c, lab.count_params(dict(_QWEN25_05B))
     )
 
 
 def _model_count(d: dict) -> tuple[int, int]:
     """(unique, total) of a real qwen_mini model built from the (tiny) config."""
-    m = CausalLM(Config.from_dict(d))
+    m = CausalLM(config_from_dict(d))
     unique = sum(p.numel() for p in m.parameters())
     total = sum(p.numel() for _, p in m.named_parameters(remove_duplicate=False))
     return unique, total
@@ -910,19 +913,16 @@ def _(count_params):
 
 
 def _tiny_tied_model(seed: int, vocab: int = 40, hidden: int = 16) -> CausalLM:
-    cfg = Config.from_dict(
-        dict(
-            model_type="qwen3",
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=32,
-            num_hidden_layers=0,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
-            max_position_embeddings=64,
-            tie_word_embeddings=True,
-        )
+    cfg = Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=32,
+        num_hidden_layers=0,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
     )
     torch.manual_seed(seed)
     m = CausalLM(cfg)
@@ -1004,7 +1004,7 @@ def _(ZeroLayerLM):
     emb = torch.nn.Embedding(30, 16)
     with torch.no_grad():
         emb.weight.copy_(F.normalize(randn(30, 16, seed=1), dim=-1))
-    z = ZeroLayerLM(emb, ref.RMSNorm(16))
+    z = ZeroLayerLM(emb, norms.RMSNorm(16))
     ids = torch.arange(30)[None]
     with torch.no_grad():
         expect_equal(

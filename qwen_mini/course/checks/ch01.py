@@ -8,6 +8,7 @@ the package reference, from values worked out by hand, and from independent refe
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 
 from qwen_mini import attention as ref
 from qwen_mini import decoder as dec
+from qwen_mini.architectures import ARCHITECTURES
 from qwen_mini.checkpoint import meta_model
 from qwen_mini.config import Config
 from qwen_mini.course.checking import (
@@ -27,8 +29,10 @@ from qwen_mini.course.checking import (
     register,
     seeded,
 )
-from qwen_mini.foundations import RMSNorm, apply_rope, rope_cos_sin
+from qwen_mini.course.lab import ch01 as lab
 from qwen_mini.model import CausalLM
+from qwen_mini.norms import RMSNorm
+from qwen_mini.rope import apply_rope, rope_cos_sin
 
 register(
     "ch01.causal_mask",
@@ -75,13 +79,13 @@ register(
 )
 register(
     "ch01.kv_bytes_per_token",
-    reference=ref.kv_bytes_per_token,
+    reference=lab.kv_bytes_per_token,
     points=1,
     title="KV-cache bytes per token from a config",
 )
 register(
     "ch01.regroup_kv_heads",
-    reference=ref.regroup_kv_heads,
+    reference=lab.regroup_kv_heads,
     points=2,
     title="Regroup KV heads: repeat (GQA -> MHA) or mean-pool (GQA -> MQA)",
 )
@@ -577,33 +581,34 @@ def _(KVCache):
 # --- Attention ----------------------------------------------------------------------------------
 
 
-def _tiny_cfg(qwen3: bool, n_heads=4, n_kv=2, head_dim=8) -> Config:
+def _tiny_cfg(qwen3: bool, n_heads=4, n_kv=2, head_dim=8, layers=2, tied=False) -> Config:
+    """A tiny Qwen3 (QK-Norm) or Qwen2 (QKV bias) config; its row is ARCHITECTURES[model_type]."""
     return Config(
         model_type="qwen3" if qwen3 else "qwen2",
         vocab_size=64,
         hidden_size=16,
         intermediate_size=32,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=n_heads,
         num_key_value_heads=n_kv,
         head_dim=head_dim,
         max_position_embeddings=128,
         rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        qkv_bias=not qwen3,
-        o_bias=False,
-        qk_norm=qwen3,
+        tie_word_embeddings=tied,
     )
+
+
+def _row(cfg: Config):
+    return ARCHITECTURES[cfg.model_type]
 
 
 def _pair(Attention, cfg, seed):
     torch.manual_seed(seed)
-    reference = ref.Attention(cfg, 1)
+    reference = ref.Attention(cfg, 1, _row(cfg))
     with torch.no_grad():  # random norm weights too, so that a skipped QK-Norm shows
         for p in reference.parameters():
             p.copy_(torch.randn(p.shape, generator=seeded(seed + p.numel())) * 0.3)
-    mine = Attention(cfg, 1)
+    mine = Attention(cfg, 1, _row(cfg))
     mine.load_state_dict(reference.state_dict())
     return mine, reference
 
@@ -650,7 +655,7 @@ def _attention_stages(Attention, cfg, seed, B=1, cached=0, T=4):
         q = ref.split_heads(reference.q_proj(xn), H)  # [B, H, T, D]
         k = ref.split_heads(reference.k_proj(xn), H_kv)
         v = ref.split_heads(reference.v_proj(xn), H_kv)
-        if cfg.qk_norm:
+        if _row(cfg).qk_norm:
             qn, kn = reference.q_norm(q), reference.k_norm(k)
         else:
             qn, kn = q, k
@@ -662,7 +667,7 @@ def _attention_stages(Attention, cfg, seed, B=1, cached=0, T=4):
 
         seen_q, seen_o = [], []
         hooks = [_inputs_of(mine.o_proj, seen_o)]
-        if cfg.qk_norm and getattr(mine, "q_norm", None) is not None:
+        if _row(cfg).qk_norm and getattr(mine, "q_norm", None) is not None:
             hooks.append(_inputs_of(mine.q_norm, seen_q))
         crash = None
         try:
@@ -675,7 +680,7 @@ def _attention_stages(Attention, cfg, seed, B=1, cached=0, T=4):
             for h in hooks:
                 h.remove()
 
-        if cfg.qk_norm:
+        if _row(cfg).qk_norm:
             if not seen_q and crash is not None:
                 raise crash
             if not seen_q:
@@ -712,7 +717,7 @@ def _attention_stages(Attention, cfg, seed, B=1, cached=0, T=4):
                 raise AssertionError(
                     "keys are cached after RoPE (a token's rotation never changes), yours before"
                 )
-            if cfg.qk_norm and _close(sk, apply_rope(k, cos, sin)):
+            if _row(cfg).qk_norm and _close(sk, apply_rope(k, cos, sin)):
                 raise AssertionError("the cached keys skipped QK-Norm (self.k_norm)")
             expect_close("keys given to cache.update", sk, kr, atol=1e-5, rtol=1e-4)
             expect_close("values given to cache.update", sv, v, atol=1e-5, rtol=1e-4)
@@ -897,8 +902,7 @@ def _(kv_bytes_per_token):
 
 @hidden("ch01.kv_bytes_per_token")
 def _(kv_bytes_per_token):
-    cfg = _tiny_cfg(qwen3=True)
-    cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim = 28, 8, 128  # Qwen3-0.6B
+    cfg = replace(_tiny_cfg(qwen3=True), num_hidden_layers=28, num_key_value_heads=8, head_dim=128)
     expect_equal(
         "a qwen_mini Config shaped like Qwen3-0.6B", kv_bytes_per_token(cfg, 2), 112 * 1024
     )
@@ -946,21 +950,21 @@ def _(regroup_kv_heads):
     expect_close(
         "weight 4 -> 8 heads",
         regroup_kv_heads(w, 8, 8),
-        ref.regroup_kv_heads(w, 8, 8),
+        lab.regroup_kv_heads(w, 8, 8),
         atol=0,
         rtol=0,
     )
     expect_close(
         "bias 4 -> 8 heads",
         regroup_kv_heads(b, 8, 8),
-        ref.regroup_kv_heads(b, 8, 8),
+        lab.regroup_kv_heads(b, 8, 8),
         atol=0,
         rtol=0,
     )
     expect_close(
         "weight 4 -> 2 heads",
         regroup_kv_heads(w, 8, 2),
-        ref.regroup_kv_heads(w, 8, 2),
+        lab.regroup_kv_heads(w, 8, 2),
         atol=1e-6,
         rtol=1e-6,
     )
@@ -1153,9 +1157,7 @@ def _(DecoderLayer):
 
 
 def _tiny_model(seed, qwen3=True, tied=True, n_heads=4, n_kv=2, layers=2):
-    cfg = _tiny_cfg(qwen3, n_heads=n_heads, n_kv=n_kv)
-    cfg.num_hidden_layers, cfg.tie_word_embeddings = layers, tied
-    cfg.layer_types = ["full_attention"] * layers
+    cfg = _tiny_cfg(qwen3, n_heads=n_heads, n_kv=n_kv, layers=layers, tied=tied)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = CausalLM(cfg)

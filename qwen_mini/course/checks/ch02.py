@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from qwen_mini import qk_norm as ref
+from qwen_mini.architectures import ARCHITECTURES
 from qwen_mini.attention import Attention, merge_heads, repeat_kv, split_heads
 from qwen_mini.config import Config
 from qwen_mini.course.checking import (
@@ -26,42 +26,43 @@ from qwen_mini.course.checking import (
     register,
     seeded,
 )
-from qwen_mini.foundations import apply_rope, rope_cos_sin
+from qwen_mini.course.lab import ch02 as lab
 from qwen_mini.model import CausalLM
+from qwen_mini.rope import apply_rope, rope_cos_sin
 
 register(
     "ch02.bias_logit_terms",
-    reference=ref.bias_logit_terms,
+    reference=lab.bias_logit_terms,
     points=1,
     title="The four terms of a biased query-key product",
 )
 register(
     "ch02.rope_bias_term",
-    reference=ref.rope_bias_term,
+    reference=lab.rope_bias_term,
     points=1,
     title="The bias-bias term after RoPE depends on the distance",
 )
 register(
     "ch02.project_qk",
-    reference=ref.project_qk,
+    reference=lab.project_qk,
     points=2,
     title="Queries and keys of a layer: bias or per-head QK-Norm, before RoPE",
 )
 register(
     "ch02.logit_stats",
-    reference=ref.logit_stats,
+    reference=lab.logit_stats,
     points=2,
     title="Largest attention logit and attention entropy per head",
 )
 register(
     "ch02.distinct_weights",
-    reference=ref.distinct_weights,
+    reference=lab.distinct_weights,
     points=1,
     title="Distinct attention weights in float32 and bfloat16",
 )
 register(
     "ch02.remove_qk_norm",
-    reference=ref.remove_qk_norm,
+    reference=lab.remove_qk_norm,
     points=1,
     title="Remove QK-Norm from a model",
 )
@@ -192,13 +193,9 @@ def _attn(model_type: str, hidden=16, heads=4, kv_heads=2, head_dim=8, seed=0) -
         head_dim=head_dim,
         max_position_embeddings=64,
         rope_theta=10000.0,
-        rms_norm_eps=1e-6,
         tie_word_embeddings=False,
-        qkv_bias=model_type == "qwen2",
-        o_bias=False,
-        qk_norm=model_type == "qwen3",
     )
-    attn = Attention(cfg, 0)
+    attn = Attention(cfg, 0, ARCHITECTURES[model_type])  # qwen2: QKV bias; qwen3: QK-Norm
     g = seeded(seed)
     with torch.no_grad():
         for name, p in attn.named_parameters():
@@ -253,7 +250,7 @@ def _check_project(fn, model_type, B, T, seed, **sizes):
         expect_equal(
             "k shape [B, H_kv, T, D]", tuple(k.shape), (B, attn.n_kv_heads, T, attn.head_dim)
         )
-        want_q, want_k = ref.project_qk(attn, x, cos, sin)
+        want_q, want_k = lab.project_qk(attn, x, cos, sin)
         ok = torch.allclose(q, want_q, atol=1e-4, rtol=1e-4)
         ok = ok and torch.allclose(k, want_k, atol=1e-4, rtol=1e-4)
         if not ok:
@@ -470,8 +467,8 @@ def _(distinct_weights):
 
 
 def _tiny_lm(qk: bool, layers=2, seed=0) -> CausalLM:
-    cfg = ref.tiny_config(qk, hidden=32, layers=layers, heads=2)
-    model = ref.tiny_model(cfg, seed)
+    cfg = lab.tiny_config(hidden=32, layers=layers, heads=2)
+    model = lab.tiny_model(cfg, lab.tiny_arch(qk), seed)
     g = seeded(seed + 100)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -506,7 +503,8 @@ def _check_remove(fn, layers, seed):
         )
     if norms:
         raise AssertionError(f"{norms[0]} is still there: remove QK-Norm from every layer")
-    plain = CausalLM(ref.tiny_config(False, hidden=32, layers=layers, heads=2)).eval()
+    plain = CausalLM(lab.tiny_config(hidden=32, layers=layers, heads=2), lab.tiny_arch(False))
+    plain.eval()
     missing = sorted(set(plain.state_dict()) - set(got))
     if missing:
         raise AssertionError(f"{missing[0]} is missing: keep every tensor that is not a QK-Norm")

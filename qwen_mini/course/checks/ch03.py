@@ -22,7 +22,8 @@ from qwen_mini.course.checking import (
     register,
     seeded,
 )
-from qwen_mini.foundations import MLP
+from qwen_mini.course.lab import ch03 as lab
+from qwen_mini.mlp import MLP
 
 register("ch03.route", reference=ref.route, points=2, title="Router: softmax, top-k, renormalise")
 register(
@@ -39,25 +40,25 @@ register(
 )
 register(
     "ch03.routing_statistics",
-    reference=ref.routing_statistics,
+    reference=lab.routing_statistics,
     points=1,
     title="Routing statistics: expert counts and probability sums",
 )
 register(
     "ch03.load_balancing_loss",
-    reference=ref.load_balancing_loss,
+    reference=lab.load_balancing_loss,
     points=2,
     title="Load-balancing loss, pooled over layers",
 )
 register(
     "ch03.global_load_balancing_loss",
-    reference=ref.global_load_balancing_loss,
+    reference=lab.global_load_balancing_loss,
     points=2,
     title="Load-balancing loss over a global batch of micro-batches",
 )
 register(
     "ch03.split_mlp",
-    reference=ref.split_mlp,
+    reference=lab.split_mlp,
     points=2,
     title="Split a dense SwiGLU MLP into fine-grained experts",
 )

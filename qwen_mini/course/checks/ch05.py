@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen_mini import deltanet as ref
+from qwen_mini import norms
 from qwen_mini.course.checking import (
     expect_close,
     expect_equal,
@@ -69,7 +70,7 @@ register(
 )
 register(
     "ch05.GatedRMSNorm",
-    reference=ref.GatedRMSNorm,
+    reference=norms.GatedRMSNorm,
     points=1,
     title="Gated RMSNorm: x_hat * w * silu(z)",
 )

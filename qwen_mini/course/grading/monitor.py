@@ -37,8 +37,10 @@ BLOCKED_WHILE_CHECKED = (
 # --- what the references are made of (computed in the zygote, before any learner code) ----------
 
 
-def _codes(obj, seen=None) -> list[types.CodeType]:
-    """Every code object a function or class (and the functions nested in them) runs."""
+def _codes(obj, seen=None, earlier=()) -> list[types.CodeType]:
+    """Every code object a function or class (and the functions nested in them) runs. A class's
+    bases that are `earlier` pieces (other exercises' references) are theirs, not its own: a
+    variant written as a subclass of an earlier exercise may call it."""
     seen = set() if seen is None else seen
     out = []
     if id(obj) in seen:
@@ -57,6 +59,8 @@ def _codes(obj, seen=None) -> list[types.CodeType]:
                 out += _codes(f, seen)
     elif isinstance(obj, type):
         for klass in obj.__mro__:
+            if klass is not obj and klass in earlier:
+                continue
             if getattr(klass, "__module__", "").split(".")[0] not in ("builtins", "torch"):
                 for value in vars(klass).values():
                     out += _codes(value, seen)
@@ -79,12 +83,14 @@ class Snapshot:
     """Per exercise: the reference object, the ids of its code objects and their fingerprints;
     the ids of every code object of the package; what the checked namespaces hold."""
 
-    def __init__(self, exercises):
+    def __init__(self, exercises, earlier=()):
+        """`earlier`: the reference classes of earlier chapters' exercises, which a variant may
+        subclass (their code is theirs, not the variant's)."""
         self.references = {e.id: e.reference for e in exercises}
         self.code_ids, self.fingerprints = {}, {}
         self.keep = []  # code objects stay alive, so their ids stay theirs
         for e in exercises:
-            codes = _codes(e.reference)
+            codes = _codes(e.reference, earlier=set(earlier) - {e.reference})
             self.keep += codes
             self.code_ids[e.id] = {id(c) for c in codes}
             self.fingerprints[e.id] = {fingerprint(c) for c in codes}

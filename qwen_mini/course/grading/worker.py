@@ -477,6 +477,17 @@ def _worker_main(job: dict, sock: socket.socket, output: int, snapshot: Snapshot
 # --- the zygote ----------------------------------------------------------------------------------
 
 
+def _earlier_classes(chapter: str) -> set:
+    """The reference classes of the chapters before `chapter` ("ch05"): a later exercise may
+    subclass them (GatedRMSNorm is an RMSNorm)."""
+    from ..checking import exercises
+
+    if not (chapter[:2] == "ch" and chapter[2:].isdigit()):
+        return set()
+    earlier = (e for n in range(int(chapter[2:])) for e in exercises(f"ch{n:02d}"))
+    return {e.reference for e in earlier if isinstance(e.reference, type)}
+
+
 def serve_zygote(sock_fd: int, chapter: str) -> None:
     sock = socket.socket(fileno=sock_fd)
     try:
@@ -494,7 +505,7 @@ def serve_zygote(sock_fd: int, chapter: str) -> None:
             plt.figure()
             plt.close("all")
         found = exercises(chapter)
-        snapshot = Snapshot(found)
+        snapshot = Snapshot(found, earlier=_earlier_classes(chapter))
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
         protocol.send(sock, {"ready": True, "exercises": [e.id for e in found]})
     except BaseException:

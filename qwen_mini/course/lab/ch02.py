@@ -1,19 +1,23 @@
 # Generated from solutions/ch02_qk_norm.ipynb by python -m qwen_mini.course.build —
 # edit the notebook, not this file.
 
-"""Chapter 2: QKV bias (Qwen2.5) against QK-Norm (Qwen3); attention-logit statistics; a tiny
-Qwen3-shaped model trained on Python source, with and without QK-Norm, to watch the logits grow."""
+"""Experiments of the QK-Norm chapter: QKV bias (Qwen2.5) against QK-Norm (Qwen3), attention-
+logit statistics, and a tiny Qwen3-shaped model trained on Python source, with and without
+QK-Norm, to watch the logits grow. Not used to run a model.
+"""
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qwen_mini.architectures import ARCHITECTURES, Architecture
 from qwen_mini.attention import causal_mask, repeat_kv, split_heads
 from qwen_mini.config import ASSETS, Config
-from qwen_mini.foundations import apply_rope
 from qwen_mini.model import CausalLM
+from qwen_mini.rope import apply_rope
 
 
 def bias_logit_terms(qx: torch.Tensor, kx: torch.Tensor, b_q: torch.Tensor, b_k: torch.Tensor):
@@ -78,14 +82,10 @@ def logit_stats(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return logits.amax(dim=(0, 2, 3)), entropy.mean(dim=(0, 2))
 
 
-def tiny_config(
-    qk_norm: bool, hidden: int = 128, layers: int = 2, heads: int = 4, qkv_bias: bool = False
-) -> Config:
+def tiny_config(hidden: int = 128, layers: int = 2, heads: int = 4) -> Config:
     """A Qwen3-shaped byte-level model: 256 token ids (one per byte), GQA with 2 query heads per
-    KV head, head_dim 32, SwiGLU 3x wide, tied embedding; QK-Norm on or off; with qkv_bias
-    (and no QK-Norm) it is shaped like Qwen2.5 instead."""
+    KV head, head_dim 32, SwiGLU 3x wide, tied embedding."""
     return Config(
-        model_type="qwen2" if qkv_bias and not qk_norm else "qwen3",
         vocab_size=256,
         hidden_size=hidden,
         intermediate_size=3 * hidden,
@@ -95,18 +95,18 @@ def tiny_config(
         head_dim=32,
         max_position_embeddings=1024,
         rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        qkv_bias=qkv_bias,
-        o_bias=False,
-        qk_norm=qk_norm,
     )
 
 
-def tiny_model(cfg: Config, seed: int = 0) -> CausalLM:
-    """The package's model, every matrix drawn from N(0, 0.02²) (as GPT-2), norms at 1, biases
-    at 0."""
-    model = CausalLM(cfg)
+def tiny_arch(qk_norm: bool, qkv_bias: bool = False) -> Architecture:
+    """Qwen3's row with QK-Norm on or off; with qkv_bias, a bias on q/k/v as Qwen2.5 has."""
+    return replace(ARCHITECTURES["qwen3"], qk_norm=qk_norm, qkv_bias=qkv_bias)
+
+
+def tiny_model(cfg: Config, arch: Architecture, seed: int = 0) -> CausalLM:
+    """The package's model built from `arch`, every matrix drawn from N(0, 0.02²) (as GPT-2),
+    norms at 1, biases at 0."""
+    model = CausalLM(cfg, arch)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -165,7 +165,7 @@ def train_tiny(
     """Train a tiny model with AdamW (β = 0.9, 0.95, constant rate, no warm-up, no clipping) and
     record the loss of every step and, every `every` steps, per layer and head the largest
     attention logit and the attention entropy (and the logits on `probe` ids [T], if given)."""
-    model = tiny_model(tiny_config(qk_norm, qkv_bias=qkv_bias), seed)
+    model = tiny_model(tiny_config(), tiny_arch(qk_norm, qkv_bias), seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     inputs = {}  # layer index -> (x, cos, sin) its attention received in the last forward pass
     hooks = capture_attention_inputs(model, inputs)
