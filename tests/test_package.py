@@ -33,18 +33,19 @@ def test_runs_without_transformers_and_huggingface_hub(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
-    assert "using its stand-in" in done.stderr  # the learner is told, in one line
-    assert done.stderr.count("\n") == 1, done.stderr
+    lines = done.stderr.splitlines()  # the learner is told, in one line per model
+    assert len(lines) == 2 and all("using its stand-in" in line for line in lines), done.stderr
 
 
 def test_no_model_module_names_a_chapter():
     """Notes for learners belong in the notebooks; the model's modules speak of the model (the
-    generated header, which names the source notebooks, aside)."""
+    generated header, which names the source notebooks, aside). The command line is the one
+    exception: it also fronts the course (`qwen-mini reset ch03`, `grade`, `export`)."""
     import re
     from pathlib import Path
 
     package = Path(__file__).resolve().parents[1] / "qwen_mini"
-    for module in sorted(package.glob("*.py")):
+    for module in sorted(set(package.glob("*.py")) - {package / "cli.py"}):
         lines = module.read_text(encoding="utf-8").splitlines()
         body = [line for line in lines if not line.startswith(("# Generated from", "# by python"))]
         found = [line for line in body if re.search(r"\bchapters?\b|\bch0\d", line, re.I)]
