@@ -31,6 +31,22 @@ ASSETS = _package_folder("assets")
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """config.json's `rope_scaling` (or `rope_parameters`) when it asks for more than plain
+    RoPE: how `qwen_mini.rope_scaling` stretches the angles past the trained context."""
+
+    rope_type: str  # "linear" or "yarn"
+    factor: float  # how many times the trained context
+    original_max_position_embeddings: int = 0  # the trained context (YaRN)
+    beta_fast: float = 32.0  # pairs turning more often than this over it are kept (YaRN)
+    beta_slow: float = 1.0  # pairs turning less often than this are interpolated (YaRN)
+    attention_factor: float | None = None  # cos and sin scale; None: from the factor (YaRN)
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True  # round the ramp's ends to whole pairs (YaRN)
+
+
+@dataclass(frozen=True)
 class Config:
     """The numbers of one model, and nothing else: which blocks they fill is the architecture
     row's business (`qwen_mini.architectures`). Every field has a default (Qwen3-0.6B's sizes), so
@@ -56,6 +72,7 @@ class Config:
     # "linear_attention" (Gated DeltaNet, with a fixed-size state); () means all full
     layer_types: tuple[str, ...] = ()
     partial_rotary_factor: float = 1.0  # RoPE turns only this fraction of each head (Qwen3.5)
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
     attn_output_gate: bool = False  # sigmoid gate on the attention output (Qwen3.5)
     # mixture of experts (Qwen3-MoE and later); num_experts = 0 means dense everywhere
     num_experts: int = 0
@@ -112,6 +129,8 @@ class Config:
             return cls._read(d, t, {**cls.defaults(), **(defaults or {})})
         except KeyError as e:
             raise ValueError(f"{source}: required field {e.args[0]!r} is missing.") from None
+        except RopeScalingError as e:
+            raise ValueError(f"{source}: {e}") from None
 
     @classmethod
     def defaults(cls) -> dict:
@@ -151,6 +170,7 @@ class Config:
             eos_token_ids=() if eos is None else (eos,) if isinstance(eos, int) else tuple(eos),
             layer_types=tuple(t.get("layer_types") or ()),
             partial_rotary_factor=rope.get("partial_rotary_factor", get("partial_rotary_factor")),
+            rope_scaling=_rope_scaling(t),
             attn_output_gate=get("attn_output_gate"),
             # the released configs say num_experts; transformers 5 writes num_local_experts
             num_experts=get("num_experts", "num_local_experts"),
@@ -167,3 +187,40 @@ class Config:
             linear_value_head_dim=get("linear_value_head_dim"),
             linear_conv_kernel_dim=get("linear_conv_kernel_dim"),
         )
+
+
+class RopeScalingError(ValueError):
+    """A RoPE scaling this package does not implement, or one missing what it needs."""
+
+
+def _rope_scaling(t: dict) -> RopeScaling | None:
+    """The scaling config.json asks for, read as transformers reads it: a legacy `rope_scaling`
+    table replaces `rope_parameters`; its kind is `rope_type` (or `type`)."""
+    table = t.get("rope_scaling") or t.get("rope_parameters") or {}
+    kind = table.get("rope_type", table.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind not in ("linear", "yarn"):
+        raise RopeScalingError(
+            f'rope_type {kind!r} is not implemented (only "default", "linear" and "yarn"); '
+            "without it the model would differ from the checkpoint's."
+        )
+    original = table.get("original_max_position_embeddings") or t.get(
+        "original_max_position_embeddings", t["max_position_embeddings"]
+    )
+    factor = table.get("factor")
+    if factor is None and kind == "yarn":  # as transformers: the ratio of the two contexts
+        factor = t["max_position_embeddings"] / original
+    if factor is None:
+        raise RopeScalingError(f"{kind} RoPE scaling needs a factor; rope_scaling has none.")
+    return RopeScaling(
+        rope_type=kind,
+        factor=float(factor),
+        original_max_position_embeddings=int(original),
+        beta_fast=float(table.get("beta_fast") or 32.0),
+        beta_slow=float(table.get("beta_slow") or 1.0),
+        attention_factor=table.get("attention_factor"),
+        mscale=float(table.get("mscale") or 0.0),
+        mscale_all_dim=float(table.get("mscale_all_dim") or 0.0),
+        truncate=bool(table.get("truncate", True)),
+    )

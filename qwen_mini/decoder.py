@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from qwen_mini.rope import rope_cos_sin
+from qwen_mini.rope_scaling import rotary_cos_sin
 
 
 class DecoderLayer(nn.Module):
@@ -53,7 +53,7 @@ def model_forward(model, input_ids: torch.Tensor, cache=None, last_only: bool = 
     start = cache.length if cache is not None else 0  # the new tokens follow the cached ones
     x = backbone.embed_tokens(input_ids)  # [B, T, hidden]
     positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
-    cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)  # [T, rot]
+    cos, sin = rotary_cos_sin(cfg, positions, x.dtype)  # [T, rotary_dim]
     for i, layer in enumerate(backbone.layers):
         x = layer(x, cos, sin, cache.layers[i] if cache is not None else None)
     x = backbone.norm(x)

@@ -280,13 +280,17 @@ def layer_variant(kind):
 
 def forward_variant(kind):
     from qwen_mini.rope import rope_cos_sin
+    from qwen_mini.rope_scaling import rotary_cos_sin
 
     def model_forward(model, input_ids, cache=None, last_only=False):
         cfg, backbone = model.config, model.model
         start = cache.length if cache is not None and kind != "positions_from_0" else 0
         x = backbone.embed_tokens(input_ids)
         positions = torch.arange(start, start + input_ids.shape[1])
-        cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+        if kind == "plain_rope":  # ignores the config's RoPE scaling
+            cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+        else:
+            cos, sin = rotary_cos_sin(cfg, positions, x.dtype)
         for i, layer in enumerate(backbone.layers):
             state = None if cache is None else cache.layers[i]
             if kind == "whole_cache" and cache is not None:
@@ -417,6 +421,7 @@ CASES = [
     ("model_forward", forward_variant("commits"), "must not commit", False),
     ("model_forward", forward_variant("no_final_norm"), "final norm", False),
     ("model_forward", forward_variant("head_on_all"), "head was applied to", False),
+    ("model_forward", forward_variant("plain_rope"), "rotary_cos_sin", False),
     ("load_weights", load_variant("no_retie"), "same Parameter", False),
     ("load_weights", load_variant("stored_copy"), "stored copy must not be read", False),
     ("load_weights", load_variant("no_prefix"), "prefix", False),

@@ -19,7 +19,7 @@ from qwen_mini import attention as ref
 from qwen_mini import decoder as dec
 from qwen_mini.architectures import ARCHITECTURES
 from qwen_mini.checkpoint import meta_model
-from qwen_mini.config import Config
+from qwen_mini.config import Config, RopeScaling
 from qwen_mini.course.checking import (
     expect_close,
     expect_equal,
@@ -33,6 +33,7 @@ from qwen_mini.course.lab import ch01 as lab
 from qwen_mini.model import CausalLM
 from qwen_mini.norms import RMSNorm
 from qwen_mini.rope import apply_rope, rope_cos_sin
+from qwen_mini.rope_scaling import rotary_cos_sin
 
 register(
     "ch01.causal_mask",
@@ -1156,8 +1157,9 @@ def _(DecoderLayer):
     _check_layer(DecoderLayer, "self_attn", 3, 1, 6, 61)
 
 
-def _tiny_model(seed, qwen3=True, tied=True, n_heads=4, n_kv=2, layers=2):
+def _tiny_model(seed, qwen3=True, tied=True, n_heads=4, n_kv=2, layers=2, rope_scaling=None):
     cfg = _tiny_cfg(qwen3, n_heads=n_heads, n_kv=n_kv, layers=layers, tied=tied)
+    cfg = replace(cfg, rope_scaling=rope_scaling)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = CausalLM(cfg)
@@ -1289,6 +1291,26 @@ def _(model_forward):
         calls.head[0].shape[1],
         1,
     )
+
+
+@public("ch01.model_forward", "the angles of a config with RoPE scaling")
+def _(model_forward):
+    # YaRN (what Qwen3's model card adds to config.json past 32k tokens) changes every angle
+    yarn = RopeScaling("yarn", factor=4.0, original_max_position_embeddings=32)
+    model = _tiny_model(76, rope_scaling=yarn)
+    ids = torch.randint(0, 64, (1, 6), generator=seeded(77))
+    out, calls = _run_forward(model_forward, model, ids)
+    cos, sin = rotary_cos_sin(model.config, torch.arange(6))
+    got = calls.layers[0][1].get("cos") if calls.layers else None
+    if got is None or tuple(got.shape) != tuple(cos.shape) or not _close(got, cos):
+        raise AssertionError(
+            "with rope_scaling in the config (here YaRN, factor 4) the angles differ from plain "
+            "RoPE's at every position: take them from rotary_cos_sin(model.config, positions, "
+            "dtype), which applies the scaling, not from rope_cos_sin"
+        )
+    with torch.no_grad():
+        expected = dec.model_forward(model, ids)
+    expect_close("logits of the YaRN-scaled model", out, expected, atol=1e-5, rtol=1e-4)
 
 
 @hidden("ch01.model_forward")
