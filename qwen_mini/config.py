@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .validation import check_config
+
 # the repository's assets/ folder: real config.json files, the vendored tokenizer (the package
 # is installed editable from a clone, so it sits next to the package)
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -76,6 +78,7 @@ class Config:
     def from_dict(cls, d: dict, source: str = "config.json") -> Config:
         from .architectures import ARCHITECTURES  # the table imports the blocks, which import us
 
+        check_config(d, source)  # every bad field in one error, before anything is read
         model_type = d.get("model_type")
         if model_type not in ARCHITECTURES:
             raise ValueError(
