@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from qwen_mini.generation import Sampling, eos_ids_for, next_token, stream_text
-from qwen_mini.tokenizer import check_conversation, check_text, is_token_id
+from qwen_mini.tokenizer import check_conversation, check_text, is_whole_number
 
 
 def render_turn(role: str, content: str) -> str:
@@ -420,7 +420,7 @@ class ChatSession:
         **sampling,
     ):
         self.model, self.tokenizer, self.thinking, self.budget = model, tokenizer, thinking, budget
-        if not is_token_id(max_new_tokens) or max_new_tokens < 0:  # a whole number, not 1.5
+        if not is_whole_number(max_new_tokens) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
         self.max_new_tokens = max_new_tokens
         self.messages = [] if system is None else [{"role": "system", "content": system}]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from .decoder import decode
-from .tokenizer import is_token_id
+from .tokenizer import is_whole_number
 from .validation import is_number
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -163,7 +163,7 @@ def eos_ids_for(model, eos_token_ids=None) -> set[int]:
     if eos_token_ids is None:
         eos_token_ids = model.config.eos_token_ids
     ids = [eos_token_ids] if not isinstance(eos_token_ids, (list, tuple, set)) else eos_token_ids
-    if not all(is_token_id(i) for i in ids):
+    if not all(is_whole_number(i) for i in ids):
         raise ValueError(f"eos_token_ids must be token ids (whole numbers), got {eos_token_ids!r}.")
     return {int(i) for i in ids}
 
@@ -177,14 +177,15 @@ def check_generation_config(gc: dict) -> None:
     Sampling(**{k: v for k, v in gc.items() if k in names and v is not None})
     if gc.get("eos_token_id") is not None:
         eos = gc["eos_token_id"]
-        if not all(is_token_id(i) and i >= 0 for i in (eos if isinstance(eos, list) else [eos])):
+        ids = eos if isinstance(eos, list) else [eos]
+        if not all(is_whole_number(i) and i >= 0 for i in ids):
             raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}.")
 
 
 def check_ids(ids, vocab_size: int, what: str = "token ids") -> None:
     """Every id a whole number in [0, vocab_size): a float would be truncated, an id past the
     vocabulary has no embedding row."""
-    wrong = [i for i in ids if not is_token_id(i)]
+    wrong = [i for i in ids if not is_whole_number(i)]
     if wrong:
         raise ValueError(f"{what} must be whole numbers, got {wrong[0]!r}.")
     bad = [int(i) for i in ids if not 0 <= i < vocab_size]
@@ -198,7 +199,7 @@ def check_ids(ids, vocab_size: int, what: str = "token ids") -> None:
 def _check_prompt(model, prompt_ids: list[int], max_new_tokens: int):
     """Fail before any work: a context overflow halfway through would waste the whole prefill."""
     cfg = model.config
-    if not is_token_id(max_new_tokens) or max_new_tokens < 0:
+    if not is_whole_number(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}.")
     if len(prompt_ids) == 0:
         raise ValueError(

@@ -94,8 +94,8 @@ def check_text(text, what: str) -> str:
     return text
 
 
-def is_token_id(value) -> bool:
-    """A whole-number id (an int, or an integer numpy/torch scalar), never a float or a bool."""
+def is_whole_number(value) -> bool:
+    """An int, or an integer numpy/torch scalar: never a float (int(2.7) would be 2) or a bool."""
     if isinstance(value, bool):
         return False
     if isinstance(value, int):
@@ -173,7 +173,7 @@ class Tokenizer:
         (151,936 for 151,669 ids); those rows decode to nothing, as in transformers. Any other
         id is refused, not turned into ''."""
         ids = list(ids) if not isinstance(ids, (str, bytes)) else None
-        if ids is None or not all(is_token_id(i) for i in ids):
+        if ids is None or not all(is_whole_number(i) for i in ids):
             raise TypeError(f"decode: ids must be a list of whole-number token ids, got {ids!r}")
         padded = -(-self.vocab_size // PADDING) * PADDING
         bad = [int(i) for i in ids if not 0 <= i < padded]
