@@ -154,7 +154,7 @@ def test_cached_decode_matches_full_forward(pair):
 
 
 @torch.inference_mode()
-def test_greedy_generation_is_whole_numberentical(pair):
+def test_greedy_generation_is_token_identical(pair):
     ours, ref = pair
     ids = prompt(1, 8, seed=3)
     # an explicit mask: without one, generate() masks every prompt token equal to pad_token_id
