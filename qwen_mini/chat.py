@@ -487,6 +487,13 @@ class ChatSession:
     def _reply(self) -> Iterator[tuple[str, str]]:
         """The reply to the conversation so far; the assistant turn is added at its end."""
         ids, start = self.prompt_ids(), time.perf_counter()
+        limit = self.model.config.max_position_embeddings
+        if len(ids) > limit:  # refused before the cache is touched
+            raise ValueError(
+                f"the conversation is {len(ids)} tokens, more than this model's context of "
+                f"{limit} positions (max_position_embeddings): send a shorter message or start "
+                f"a new session"
+            )
         seen = torch.zeros(self.model.config.vocab_size, dtype=torch.bool)
         stats = dict(prompt=len(ids), reused=0, generated=0, thinking=0)
         first, inside = True, self.thinking

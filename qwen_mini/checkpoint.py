@@ -235,7 +235,7 @@ def _header_entry(path: Path, name: str, info) -> tuple[str, tuple[int, ...], tu
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
         raise CheckpointError(f"{broken}: it needs dtype, shape and data_offsets. {REDO}")
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if dtype not in TORCH_DTYPES:
+    if not isinstance(dtype, str) or dtype not in TORCH_DTYPES:
         raise CheckpointError(
             f"{broken}: dtype {dtype!r} is not one PyTorch can load (known: "
             f"{', '.join(TORCH_DTYPES)}). {REDO}"

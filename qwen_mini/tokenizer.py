@@ -172,7 +172,8 @@ class Tokenizer:
         Qwen checkpoints pad their embedding past the last token id to a round number of rows
         (151,936 for 151,669 ids); those rows decode to nothing, as in transformers. Any other
         id is refused, not turned into ''."""
-        ids = list(ids) if not isinstance(ids, (str, bytes)) else None
+        listable = hasattr(ids, "__iter__") and not isinstance(ids, (str, bytes, dict))
+        ids = list(ids) if listable else None
         if ids is None or not all(is_whole_number(i) for i in ids):
             raise TypeError(f"decode: ids must be a list of whole-number token ids, got {ids!r}")
         padded = -(-self.vocab_size // PADDING) * PADDING
@@ -281,10 +282,8 @@ def _check_message(i: int, m: dict) -> None:
     role = m.get("role")
     if role not in ROLES:
         raise ValueError(f"message {i}: role must be one of {', '.join(ROLES)}, got {role!r}")
-    calls = m.get("tool_calls")
-    content = m.get("content")
-    # an assistant turn that only calls tools may have no content, as OpenAI-style APIs send it
-    if content is None and not (role == "assistant" and calls):
+    calls, content = m.get("tool_calls"), m.get("content")
+    if content is None:  # the Qwen templates read it in every turn, tool-calling ones too
         raise ValueError(f"message {i} ({role}) has no 'content'; use '' for an empty one")
     if isinstance(content, str):
         check_text(content, f"message {i} ({role}): content")

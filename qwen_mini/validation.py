@@ -304,8 +304,11 @@ def _sliding_window_problems(t: dict) -> list[str]:
         return []
     if window >= t["max_position_embeddings"] or t.get("model_type", "").startswith("qwen3_5"):
         return []
-    first = 0 if t.get("model_type") == "qwen3_moe" else t.get("max_window_layers", 28)
-    if first >= t["num_hidden_layers"] or t.get("layer_types") is not None and first:
+    moe = t.get("model_type") == "qwen3_moe"
+    if not moe and t.get("layer_types") is not None:  # the list decides; checked elsewhere
+        return []
+    first = 0 if moe else t.get("max_window_layers", 28)
+    if first >= t["num_hidden_layers"]:
         return []
     return [
         f"use_sliding_window is true with sliding_window = {window}, so layers {first} and "
