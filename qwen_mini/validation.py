@@ -17,7 +17,7 @@ from pathlib import Path
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 # what transformers calls "default" RoPE: plain rotations, no scaling of the frequencies
 PLAIN_ROPE = (None, "default")
-# sizes: whole numbers >= 1; the first six have no default
+# sizes: whole numbers >= 1 (num_hidden_layers >= 0); the first six have no default
 REQUIRED_SIZES = (
     "vocab_size",
     "hidden_size",
@@ -149,7 +149,9 @@ def _type_problems(d: dict, t: dict) -> list[str]:
     for name in REQUIRED_SIZES:
         if name not in t:
             problems.append(f"{name} is missing (required)")
-    checks = [(n, 1) for n in REQUIRED_SIZES + OPTIONAL_SIZES] + [(n, 0) for n in COUNTS]
+    # a model of no layers (the embedding, then the head) is a model too: the course builds one
+    checks = [(n, 0 if n == "num_hidden_layers" else 1) for n in REQUIRED_SIZES + OPTIONAL_SIZES]
+    checks += [(n, 0) for n in COUNTS]
     checks += [(n, 1) for n in NULLABLE_SIZES if t.get(n) is not None]
     for name, smallest in checks:
         if name in t and (why := _size_problem(t[name], smallest)):

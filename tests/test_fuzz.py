@@ -135,6 +135,8 @@ def config_cases() -> list[Case]:
     for base in BASES:
         for name in [*sizes, "num_key_value_heads"]:
             for value in bad_sizes:
+                if value == 0 and name == "num_hidden_layers":
+                    continue  # no layers is a model (the course builds one); see below
                 if name == "num_key_value_heads" and value is DELETE:
                     continue  # a default (num_attention_heads): the shapes then disagree
                 cases.append(
@@ -223,6 +225,9 @@ def config_cases() -> list[Case]:
                 )
             )
         # resource limits: refused from the config alone, before anything is built
+        # no layers: a model (the course builds one), but not the one these weights are
+        no_layers = set_fields(base, num_hidden_layers=0, layer_types=DELETE)
+        cases.append(Case(base, no_layers, ["num_hidden_layers = 0"], f"{base}-no-layers"))
         layers = dict(num_hidden_layers=100_000, layer_types=DELETE)
         if base == "qwen3_5":  # its layer_types names each layer
             layers["layer_types"] = (["linear_attention"] * 3 + ["full_attention"]) * 25_000
