@@ -208,16 +208,12 @@ def _header_json(path: Path, raw: bytes) -> dict:
             raise CheckpointError(f"{path}: the header names tensor {twice!r} twice. {REDO}")
         return dict(pairs)
 
-    try:
-        text = raw.decode("utf-8")
-        if text.startswith("\ufeff"):
-            raise ValueError("it starts with a byte-order mark")
-        header = json.loads(text, object_pairs_hook=unique)
-    except (ValueError, RecursionError) as e:
-        if isinstance(e, CheckpointError):
-            raise
-        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-        raise CheckpointError(f"{path}: the header is not valid JSON ({why}). {REDO}") from None
+    try:  # json refuses a byte-order mark itself
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: the header is not valid JSON ({e}). {REDO}") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: the header is nested too deeply. {REDO}") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: the header is not a table of tensors. {REDO}")
     return header

@@ -145,16 +145,16 @@ def _tolerate_any_locale() -> None:
             stream.reconfigure(errors="replace")
 
 
-def check_argument(arg: str) -> None:
-    """Python keeps bytes of argv that are not valid in the locale's encoding as lone
-    surrogates; say so instead of failing in the tokenizer."""
+def check_argument(text: str) -> None:
+    """Python keeps the bytes of an argument or a typed line that are not valid in the
+    terminal's encoding as lone surrogates; say so instead of failing in the tokenizer."""
     try:
-        arg.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError:
         raise ValueError(
-            f"the argument {arg.encode('utf-8', 'backslashreplace').decode()!r} is not valid "
-            f"text in this terminal's encoding ({sys.getfilesystemencoding()}); pass UTF-8 text "
-            f"or give the prompt on stdin with '-'."
+            f"{text.encode('utf-8', 'backslashreplace').decode()!r} is not valid text in this "
+            f"terminal's encoding ({sys.getfilesystemencoding()}); pass UTF-8 text, or give the "
+            f"prompt on stdin with '-'."
         ) from None
 
 

@@ -38,6 +38,7 @@ from pathlib import Path
 import tokenizers
 
 from .config import ASSETS
+from .validation import read_json_object
 
 VENDORED_QWEN3 = ASSETS / "tokenizers" / "qwen3"
 VENDORED_QWEN3_5 = ASSETS / "tokenizers" / "qwen3_5"
@@ -415,16 +416,7 @@ def _read_text(path: Path) -> str:
 
 def _read_config(folder: Path) -> dict:
     path = folder / "tokenizer_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(_read_text(path))
-    except (json.JSONDecodeError, RecursionError) as e:
-        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-        raise TokenizerError(f"{path}: not valid JSON ({why}).") from None
-    if not isinstance(config, dict):
-        raise TokenizerError(f"{path}: must hold one JSON object ({{...}}) of settings.")
-    return config
+    return read_json_object(path) if path.is_file() else {}
 
 
 def _tokenizer_file(folder: Path) -> Path | None:
