@@ -247,7 +247,7 @@ class Tokenizer:
                 **_plain(variables),
             )
         except jinja2.TemplateError as e:  # the template's own raise_exception, or a bad value
-            raise ValueError(
+            raise TokenizerError(
                 f"the chat template next to {self.path} refused this conversation: {e}"
             ) from None
 
@@ -267,13 +267,13 @@ def check_conversation(messages, tools=None) -> None:
     if tools is not None and not (
         isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)
     ):
-        raise TypeError(
+        raise ValueError(
             f"tools must be a list of tool definitions (dicts, e.g. {{'type': 'function', "
             f"'function': {{'name': ..., 'parameters': ...}}}}), got {tools!r}"
         )
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise TypeError(
+            raise ValueError(
                 f"A chat message must be a dict with 'role' and 'content', got {message!r}"
             )
         _check_message(i, message)
@@ -292,7 +292,7 @@ def _check_message(i: int, m: dict) -> None:
         if not all(isinstance(p, dict) and isinstance(p.get("type"), str) for p in content):
             raise ValueError(f"message {i} ({role}): each part of a list content needs a 'type'")
     elif content is not None:
-        raise TypeError(
+        raise ValueError(
             f"message {i} ({role}): content must be a string, got {type(content).__name__}"
         )
     for key in ("reasoning_content", "thinking", "reasoning"):

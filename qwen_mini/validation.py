@@ -129,6 +129,10 @@ def check_config(d: object, source: str = "config.json") -> None:
         )
     if _depth(d) > MAX_DEPTH:
         raise ConfigError(f"{source}: nested more than {MAX_DEPTH} levels deep: not a config.")
+    from .architectures import ARCHITECTURES  # the table imports the blocks, which import Config
+
+    if d.get("model_type") not in ARCHITECTURES:
+        return  # Config.from_dict names the model type first: its fields may mean other things
     problems = _type_problems(d, text_fields(d))
     if not problems:  # the relations between fields can only be read off well-typed fields
         problems = _relation_problems(text_fields(d))
