@@ -570,18 +570,19 @@ def load_checkpoint(folder: str | Path, dtype: torch.dtype | str | None = None) 
     return model
 
 
-def _head_differs(cfg: Config, stored: dict, rows: int = 64) -> bool:
+def _head_differs(cfg: Config, stored: dict, rows: int = 8) -> bool:
     """Whether a stored lm_head.weight differs from the embedding it is meant to be tied to
-    (transformers then keeps both). Compared on `rows` rows spread over the vocabulary, so the
-    check reads a few kilobytes, not the two largest tensors."""
+    (transformers then keeps both). Compared on `rows` rows at the start, middle and end of the
+    vocabulary, so the check reads a few kilobytes, not the two largest tensors."""
     embed = checkpoint_name("model.embed_tokens.weight", cfg)
-    picked = sorted({round(i * (cfg.vocab_size - 1) / (rows - 1)) for i in range(rows)})
-    slices = []
+    middle = cfg.vocab_size // 2
+    blocks = [(0, rows), (middle, middle + rows), (cfg.vocab_size - rows, cfg.vocab_size)]
+    read = []
     for name in (embed, "lm_head.weight"):
         with safe_open(str(stored[name][0]), framework="pt") as f:
             table = f.get_slice(name)
-            slices.append(torch.stack([table[i : i + 1][0] for i in picked]))
-    return not torch.equal(*slices)
+            read.append(torch.cat([table[max(lo, 0) : hi] for lo, hi in blocks]))
+    return not torch.equal(*read)
 
 
 def _generation_config(path: Path) -> dict:
