@@ -86,7 +86,7 @@ def json_type(value: object) -> str:
     """How JSON names the type of `value`: what a learner sees in the file."""
     names = {bool: "boolean", int: "number", float: "number", str: "string", list: "list"}
     names |= {dict: "object", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
+    return names.get(type(value), f"{type(value).__name__} (no JSON type)")
 
 
 def _depth(value: object) -> int:
@@ -95,6 +95,14 @@ def _depth(value: object) -> int:
     if isinstance(value, list):
         return 1 + max(map(_depth, value), default=0)
     return 0
+
+
+def _show(value: object) -> str:
+    """`value` as config.json spells it (null, true, "8"); repr for what JSON cannot hold."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def _is_int(value: object) -> bool:
@@ -108,7 +116,7 @@ def is_number(value: object) -> bool:
 def _size_problem(value: object, smallest: int) -> str | None:
     """Why `value` is not a whole number from `smallest` to LARGEST, or None."""
     if not _is_int(value):
-        return f"must be a whole number, got {json.dumps(value)} (a JSON {json_type(value)})"
+        return f"must be a whole number, got {_show(value)} (a JSON {json_type(value)})"
     if not smallest <= value <= LARGEST:
         return f"must be a whole number from {smallest} to {LARGEST:,}, got {value}"
     return None
@@ -163,7 +171,7 @@ def _type_problems(d: dict, t: dict) -> list[str]:
     for where in (d, t):
         for name in FLAGS:
             if name in where and not isinstance(where[name], bool):
-                got = json.dumps(where[name])
+                got = _show(where[name])
                 problems.append(f"{name} must be true or false (no quotes), got {got}")
     problems += _float_problems(t)
     problems += _list_problems(t)
@@ -171,12 +179,12 @@ def _type_problems(d: dict, t: dict) -> list[str]:
         if t.get(name) is not None and t[name] not in FLOAT_DTYPES:
             problems.append(
                 f"{name} must be one of {', '.join(FLOAT_DTYPES)} (the dtype of the weights), "
-                f"got {json.dumps(t[name])}"
+                f"got {_show(t[name])}"
             )
     act = t.get("hidden_act", "silu")
     if act != "silu":
         problems.append(
-            f"hidden_act is {json.dumps(act)}, but qwen_mini's feed-forward is SwiGLU, which "
+            f"hidden_act is {_show(act)}, but qwen_mini's feed-forward is SwiGLU, which "
             f"uses silu: a model with another activation would give different results"
         )
     return list(dict.fromkeys(problems))  # a top-level flag and the merged view say it once
@@ -195,7 +203,7 @@ def _float_problems(t: dict) -> list[str]:
         kind = table.get("rope_type", table.get("type"))
         if kind not in PLAIN_ROPE:
             problems.append(
-                f"{name} asks for {json.dumps(kind)} RoPE scaling, which qwen_mini does not "
+                f"{name} asks for {_show(kind)} RoPE scaling, which qwen_mini does not "
                 f'implement (only plain RoPE, rope_type "default"); without it the model would '
                 f"differ from the one trained. Remove {name} to run without scaling (correct "
                 f"for prompts within the original context)"
@@ -208,16 +216,14 @@ def _float_problems(t: dict) -> list[str]:
         numbers.append(("router_aux_loss_coef", t["router_aux_loss_coef"], -math.inf, True))
     for name, value, smallest, inclusive in numbers:
         if not is_number(value) or not math.isfinite(value):
-            problems.append(f"{name} must be a finite number, got {json.dumps(value)}")
+            problems.append(f"{name} must be a finite number, got {_show(value)}")
         elif value < smallest or (value == smallest and not inclusive):
             sign = ">=" if inclusive else ">"
             problems.append(f"{name} must be {sign} {smallest:g}, got {value}")
     for table, prefix in ((t, ""), (rope, "rope_parameters.")):
         factor = table.get("partial_rotary_factor", 1.0)
         if not is_number(factor) or not 0 < factor <= 1:
-            problems.append(
-                f"{prefix}partial_rotary_factor must be in (0, 1], got {json.dumps(factor)}"
-            )
+            problems.append(f"{prefix}partial_rotary_factor must be in (0, 1], got {_show(factor)}")
     return problems
 
 
@@ -234,7 +240,7 @@ def _list_problems(t: dict) -> list[str]:
     eos = t.get("eos_token_id")
     ids = eos if isinstance(eos, list) else [eos]
     if eos is not None and not all(_is_int(i) and i >= 0 for i in ids):
-        problems.append(f"eos_token_id must be a token id or a list of them, got {json.dumps(eos)}")
+        problems.append(f"eos_token_id must be a token id or a list of them, got {_show(eos)}")
     return problems
 
 
