@@ -143,7 +143,7 @@ def check_config(d: object, source: str = "config.json") -> None:
         return  # Config.from_dict names the model type first: its fields may mean other things
     problems = _type_problems(d, text_fields(d))
     if not problems:  # the relations between fields can only be read off well-typed fields
-        problems = _relation_problems(text_fields(d))
+        problems = _relation_problems(text_fields(d), ARCHITECTURES[d["model_type"]])
     if problems:
         lines = "".join(f"\n  - {p}" for p in problems)
         raise ConfigError(
@@ -244,8 +244,9 @@ def _list_problems(t: dict) -> list[str]:
     return problems
 
 
-def _relation_problems(t: dict) -> list[str]:
-    """What well-typed fields must satisfy together."""
+def _relation_problems(t: dict, arch) -> list[str]:
+    """What well-typed fields must satisfy together, in a model built from the row `arch` of
+    the architecture table."""
     problems = []
     heads, hidden = t["num_attention_heads"], t["hidden_size"]
     kv = t.get("num_key_value_heads", heads)
@@ -270,7 +271,10 @@ def _relation_problems(t: dict) -> list[str]:
             f"dimensions of each head, which must be an even number >= 2 (pairs are rotated)"
         )
     problems += _moe_problems(t)
-    problems += _linear_attention_problems(t)
+    from .deltanet import GatedDeltaNet
+
+    if arch.mixers.get("linear_attention") is GatedDeltaNet:
+        problems += _linear_attention_problems(t)
     problems += _sliding_window_problems(t)
     return problems
 

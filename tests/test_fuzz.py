@@ -245,89 +245,34 @@ def config_cases() -> list[Case]:
     return cases
 
 
+# (id, fields, refused by Qwen2/Qwen3, refused by Qwen3-MoE). Without layer_types transformers
+# derives it: Qwen2 and Qwen3 window the layers from max_window_layers on; Qwen3-MoE windows every
+# layer; a layer_types list decides for Qwen2 and Qwen3; a window as long as the context is none.
+WINDOW = dict(use_sliding_window=True, sliding_window=4, layer_types=DELETE)
+SLIDING_WINDOWS = [
+    ("from-0", dict(WINDOW, max_window_layers=0), True, True),
+    ("from-1", dict(WINDOW, max_window_layers=1), True, True),
+    ("past-last-layer", dict(WINDOW, max_window_layers=2), False, True),
+    ("longer-than-context", dict(WINDOW, sliding_window=1000, max_window_layers=0), False, False),
+    ("off", dict(WINDOW, use_sliding_window=False, max_window_layers=0), False, False),
+    ("layer_types-full", dict(WINDOW, max_window_layers=0, layer_types=["full_attention"] * 2),
+     False, True),
+]  # fmt: skip
+
+
 def sliding_window_cases() -> list[Case]:
     """Refused exactly where transformers would window a layer; loaded where it would not."""
     cases = []
     for base in ("qwen3", "qwen2-sharded", "qwen3_moe"):
-        # layer_types removed: transformers then derives it from max_window_layers
-        windowed = dict(use_sliding_window=True, sliding_window=4, layer_types=DELETE)
-        for first in (0, 1):
-            cases.append(
-                Case(
-                    base,
-                    set_fields(base, **windowed, max_window_layers=first),
-                    ["use_sliding_window", "sliding_window"],
-                    f"{base}-window-from-{first}",
-                )
-            )
-        # Qwen3-MoE windows every layer; Qwen2 and Qwen3 only from max_window_layers on
-        all_layers = base == "qwen3_moe"
-        cases.append(
-            Case(
-                base,
-                set_fields(base, **windowed, max_window_layers=2),
-                ["use_sliding_window"] if all_layers else None,
-                f"{base}-window-past-last-layer",
-            )
-        )
-        cases.append(
-            Case(
-                base,
-                set_fields(
-                    base,
-                    use_sliding_window=True,
-                    sliding_window=1000,
-                    max_window_layers=0,
-                    layer_types=DELETE,
-                ),
-                None,
-                f"{base}-window-longer-than-context",
-            )
-        )
-        cases.append(
-            Case(
-                base,
-                set_fields(
-                    base,
-                    use_sliding_window=False,
-                    sliding_window=4,
-                    max_window_layers=0,
-                    layer_types=DELETE,
-                ),
-                None,
-                f"{base}-window-off",
-            )
-        )
-        # a layer_types list of full layers decides for Qwen2 and Qwen3, whatever the window
-        cases.append(
-            Case(
-                base,
-                set_fields(
-                    base,
-                    use_sliding_window=True,
-                    sliding_window=4,
-                    max_window_layers=0,
-                    layer_types=["full_attention"] * 2,
-                ),
-                ["use_sliding_window"] if all_layers else None,
-                f"{base}-window-but-layer_types-full",
-            )
-        )
+        for kind, fields, dense, moe in SLIDING_WINDOWS:
+            refused = moe if base == "qwen3_moe" else dense
+            words = ["use_sliding_window", "sliding_window"] if refused else None
+            cases.append(Case(base, set_fields(base, **fields), words, f"{base}-window-{kind}"))
+    default = dict(WINDOW, sliding_window=DELETE, max_window_layers=0, max_position_embeddings=8192)
     cases.append(
-        Case(
-            "qwen3",
-            set_fields(
-                "qwen3",
-                use_sliding_window=True,
-                sliding_window=DELETE,
-                max_window_layers=0,
-                layer_types=DELETE,
-                max_position_embeddings=8192,
-            ),
-            ["use_sliding_window", "4096"],
-            "qwen3-window-default-4096",
-        )
-    )
+        Case("qwen3", set_fields("qwen3", **default), ["use_sliding_window", "4096"],
+             "qwen3-window-default-4096")
+    )  # fmt: skip
     return cases
 
 
