@@ -297,14 +297,24 @@ def parameters_at_least(cfg: Config) -> int:
     return total
 
 
-def memory_needed(cfg: Config, dtype: torch.dtype | None = None) -> str:
-    """What the weights `cfg` describes amount to, from the config alone (nothing is built):
-    "30.5 B parameters: 61.1 GB in bfloat16"."""
+# layers x (1 + experts) past which even the meta model takes seconds to build (Qwen3-235B-A22B:
+# 94 x 129 = 12,126); beyond it sizes are worked out from the config alone
+MAX_BUILD = 30_000
+
+
+def memory_needed(cfg: Config, dtype: torch.dtype | None = None, exact: bool = True) -> str:
+    """What the weights `cfg` describes amount to, nothing allocated: "18,867 tensors, 30.5 B
+    parameters: 61.1 GB in bfloat16", counted on the meta model; with exact=False, or for a
+    config too large to build even that, "at least ..." from the config alone."""
     dtype = dtype or _dtype(cfg.dtype) or torch.float32
-    params = parameters_at_least(cfg)
+    if exact and cfg.num_hidden_layers * (1 + cfg.num_experts) <= MAX_BUILD:
+        shapes = expected_shapes(cfg)
+        params, count = sum(math.prod(s) for s in shapes.values()), f"{len(shapes):,} tensors, "
+    else:
+        params, count = parameters_at_least(cfg), "at least "
     gb = params * torch.empty((), dtype=dtype, device="meta").element_size() / 1e9
-    count = f"{params / 1e9:.1f} B" if params >= 1e8 else f"{params:,}"
-    return f"{count} parameters: {gb:.{1 if gb >= 1 else 3}f} GB in {str(dtype)[6:]}"
+    number = f"{params / 1e9:.1f} B" if params >= 1e8 else f"{params:,}"
+    return f"{count}{number} parameters: {gb:.{1 if gb >= 1 else 3}f} GB in {str(dtype)[6:]}"
 
 
 def physical_memory() -> int | None:
@@ -323,7 +333,7 @@ def check_size(cfg: Config, stored: dict, where: Path, config_file: Path, dtype)
     need = parameters_at_least(cfg)
     if need > 2 * held:  # far more: building even the meta model would take long
         raise CheckpointError(
-            f"{config_file}: describes {memory_needed(cfg)} (num_hidden_layers = "
+            f"{config_file}: describes {memory_needed(cfg, exact=False)} (num_hidden_layers = "
             f"{cfg.num_hidden_layers}, num_experts = {cfg.num_experts}, hidden_size = "
             f"{cfg.hidden_size}), but {where} holds only {held:,} parameters in all. "
             f"config.json and the weights belong to different models: use the config.json "
@@ -334,8 +344,8 @@ def check_size(cfg: Config, stored: dict, where: Path, config_file: Path, dtype)
     memory = physical_memory()
     if memory is not None and size > memory:
         raise CheckpointError(
-            f"{config_file}: the model takes {memory_needed(cfg, dtype)}, more than this "
-            f"machine's {memory / 1e9:.1f} GB of memory. Use a smaller model."
+            f"{config_file}: the model takes {memory_needed(cfg, dtype, exact=False)}, more "
+            f"than this machine's {memory / 1e9:.1f} GB of memory. Use a smaller model."
         )
 
 

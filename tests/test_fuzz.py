@@ -276,6 +276,17 @@ def sliding_window_cases() -> list[Case]:
     return cases
 
 
+def without_weights(base: str, **fields):
+    """The config edited, and the weights gone: the message gives the size, quickly."""
+
+    def edit(folder: Path):
+        set_fields(base, **fields)(folder)
+        for f in folder.glob("model*.safetensors*"):
+            f.unlink()
+
+    return edit
+
+
 def moe_cases() -> list[Case]:
     b = "qwen3_moe"
     cases = [Case(b, set_fields(b, num_experts_per_tok=v), ["num_experts_per_tok"],
@@ -290,6 +301,10 @@ def moe_cases() -> list[Case]:
         Case(b, set_fields(b, num_experts=20_000), ["num_experts = 20000"], "moe-20000-experts")
     )
     cases.append(Case(b, set_fields(b, norm_topk_prob="true"), ["norm_topk_prob"], "moe-norm"))
+    for name, value in [("num_experts", 20_000), ("num_hidden_layers", 100_000)]:
+        edit = without_weights(b, **{name: value}, layer_types=DELETE)
+        words = ["no weights found", "at least", "parameters"]
+        cases.append(Case(b, edit, words, f"moe-{name}={value}-without-weights"))
     return cases
 
 
