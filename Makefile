@@ -1,11 +1,16 @@
 # The two commands a fresh clone needs (see README.md):
 #   make lab    create the environment on first use, then open the course in JupyterLab
 #   make test   create the environment on first use, then run every check CI runs
+# and an optional third, make test-browser (below).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-# The CPU build of PyTorch; a plain `pip install torch` can pull a multi-GB CUDA build.
+# Installed first. From PyPI alone, on Linux, this is the multi-GB CUDA build; it is the CPU
+# build only when PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu is set for the first
+# `make` (pip then takes 2.13.0+cpu from that index).
 TORCH  ?= torch==2.13.0
+# JupyterLab's own options for `make lab`, e.g. LAB_ARGS="--port 9999 --ip 0.0.0.0 --no-browser"
+LAB_ARGS ?=
 
 .PHONY: lab test test-browser build bench clean
 
@@ -25,7 +30,7 @@ $(VENV)/.dev: pyproject.toml $(VENV)/.course
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 lab: $(VENV)/.course
-	$(BIN)/jupyter lab --notebook-dir=course $(ROOT_FLAG)
+	$(BIN)/jupyter lab --notebook-dir=course $(ROOT_FLAG) $(LAB_ARGS)
 
 # Notebooks run on the embedded stand-in weights, whatever weights this machine may hold.
 NB_ENV := env -u QWEN_MINI_WEIGHTS -u QWEN_MINI_DOWNLOAD HF_HUB_OFFLINE=1 HF_HUB_CACHE=$(CURDIR)/$(VENV)/empty-hf-cache
@@ -49,6 +54,7 @@ test-browser: $(VENV)/.dev
 	mkdir -p $(VENV)/empty-hf-cache
 	$(NB_ENV) $(BIN)/python -m pytest -s tests/browser/browser_ch02.py
 
+# Leaves alone every course/ notebook that holds a learner's work (it says which, and how to proceed).
 build: $(VENV)/.dev
 	$(BIN)/python -m qwen_mini.course.build
 

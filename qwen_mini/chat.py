@@ -261,16 +261,20 @@ def budgeted_tokens(
     step(ids): appends ids to the model's context and returns the next token it chooses.
     forced_ids: what is inserted when the budget is spent (it ends with </think>).
     thinking: the prompt already opened the think block. The forced tokens are yielded like
-    generated ones and count towards max_new_tokens; a stop id is yielded last.
+    generated ones and count towards max_new_tokens, whole or not at all: they come early when
+    only they still fit, and a budget spent with less room ends the reply. A stop id is yielded
+    last.
     """
     feed, inside, spent, forced, n = list(prompt_ids), thinking, 0, False, 0
     while n < max_new_tokens:
-        if inside and budget is not None and spent >= budget and not forced:
-            insert = forced_ids[: max_new_tokens - n]
-            yield from insert
-            n, feed, inside, forced = n + len(insert), feed + insert, False, True
-            if n == max_new_tokens:
-                return
+        room = max_new_tokens - n
+        due = budget is not None and (spent >= budget or room == len(forced_ids))
+        if inside and due and not forced:
+            if room < len(forced_ids):
+                return  # a cut instruction would leave the think block open anyway
+            yield from forced_ids
+            n, feed, inside, forced = n + len(forced_ids), feed + forced_ids, False, True
+            continue
         token = step(feed)
         feed, n = [token], n + 1
         yield token
@@ -427,7 +431,8 @@ class ChatSession:
         family = "qwen3_5" if model.config.model_type.startswith("qwen3_5") else "qwen3"
         self.settings = Sampling.for_model(model, **sampling_preset(thinking, family, **sampling))
         self.stop_ids = eos_ids_for(model)
-        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+        self.device = next(model.parameters()).device  # the logits, and so the sampling, are there
+        self.generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
         self.cache, self.cached = model.new_cache(batch_size=1), []
         self.turns: list[dict] = []
 
@@ -442,7 +447,7 @@ class ChatSession:
     @torch.inference_mode()
     def forward(self, ids: list[int]) -> torch.Tensor:
         """Run `ids` after the cached tokens; logits [V] of the last one."""
-        x = torch.tensor([ids], device=next(self.model.parameters()).device)
+        x = torch.tensor([ids], device=self.device)
         logits = self.model(x, cache=self.cache, last_only=True)[0, -1].float()
         self.cached += ids
         return logits
@@ -494,7 +499,7 @@ class ChatSession:
                 f"{limit} positions (max_position_embeddings): send a shorter message or start "
                 f"a new session"
             )
-        seen = torch.zeros(self.model.config.vocab_size, dtype=torch.bool)
+        seen = torch.zeros(self.model.config.vocab_size, dtype=torch.bool, device=self.device)
         stats = dict(prompt=len(ids), reused=0, generated=0, thinking=0)
         first, inside = True, self.thinking
 

@@ -498,16 +498,17 @@ def build_model(
     tensors: dict[str, torch.Tensor],
     dtype: torch.dtype | str | None = None,
     model: CausalLM | None = None,
+    device: torch.device | str = "cpu",
 ) -> CausalLM:
     """Fill a model built on the meta device (`model`, or a new one) with validated tensors (by
-    checkpoint name), through chapter 1's `load_weights`, with no copy unless `dtype` asks for
-    one; then apply the runtime speed-ups."""
-    dtype = _dtype(dtype)
+    checkpoint name), through chapter 1's `load_weights`, on `device`, with no copy unless
+    `dtype` or `device` asks for one; then apply the runtime speed-ups."""
+    dtype, device = _dtype(dtype), checked_device(device)
     model = model if model is not None else meta_model(cfg)
     prefix = ARCHITECTURES[cfg.model_type].checkpoint_prefix
 
     def get_tensor(key: str) -> torch.Tensor:
-        return tensors[key] if dtype is None else tensors[key].to(dtype)
+        return tensors[key].to(device=device, dtype=dtype)  # the tensor itself if both match
 
     load_weights(model, tensors, get_tensor, prefix)
     return convert_for_runtime(model.eval())
@@ -521,6 +522,25 @@ def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return getattr(torch, dtype)
 
 
+def checked_device(device: torch.device | str) -> torch.device:
+    """`device` as a torch.device this machine has; ValueError naming it otherwise."""
+    try:
+        found = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"unknown device {device!r}; use 'cpu', 'cuda', 'cuda:1' (the second GPU) or 'mps'."
+        ) from None
+    if found.type == "meta":
+        raise ValueError("device 'meta' holds no weights; use 'cpu' or an accelerator.")
+    try:
+        torch.empty(0, device=found)  # the one test every backend answers the same way
+    except (RuntimeError, AssertionError) as e:  # no such GPU, or torch built without it
+        raise ValueError(
+            f"device {str(found)!r} is not available on this machine ({e}); 'cpu' always is."
+        ) from None
+    return found
+
+
 def _read_json(path: Path) -> dict:
     """A JSON object file of the checkpoint (config, index, generation config)."""
     try:
@@ -529,16 +549,21 @@ def _read_json(path: Path) -> dict:
         raise CheckpointError(str(e)) from None
 
 
-def load_checkpoint(folder: str | Path, dtype: torch.dtype | str | None = None) -> CausalLM:
+def load_checkpoint(
+    folder: str | Path,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str = "cpu",
+) -> CausalLM:
     """Load a Hugging Face checkpoint folder into a `CausalLM`, memory-mapped.
 
     dtype=None keeps the stored dtype (bfloat16 for the released Qwen models); a dtype such as
     torch.float32 converts each tensor (which then costs memory for the converted copy).
+    device: where the weights go ("cpu", memory-mapped, or e.g. "cuda", copied there).
     The model gets `generation_config` (dict), `source` (the folder) and `is_standin` (False).
     Everything is checked before a tensor is read: the config's fields, the weights' headers,
     names, shapes and dtypes, the size against the files and the memory, generation_config.json.
     """
-    folder, dtype = Path(folder).expanduser(), _dtype(dtype)
+    folder, dtype, device = Path(folder).expanduser(), _dtype(dtype), checked_device(device)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a folder. Pass the folder that holds config.json.")
     config_file = folder / "config.json"
@@ -574,7 +599,7 @@ def load_checkpoint(folder: str | Path, dtype: torch.dtype | str | None = None) 
             for name in f.keys():
                 if name in keep and stored[name][0] == path:
                     tensors[name] = f.get_tensor(name)
-    model = build_model(cfg, tensors, dtype, model)
+    model = build_model(cfg, tensors, dtype, model, device)
     model.generation_config = generation_config
     model.source, model.is_standin = str(folder), False
     return model

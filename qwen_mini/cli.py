@@ -1,9 +1,12 @@
-"""The `qwen-mini` command: generate text, check the installation, grade notebooks.
+"""The `qwen-mini` command: generate text, chat, check the installation, reset a chapter,
+grade notebooks.
 
     qwen-mini generate Qwen/Qwen3-0.6B "The capital of France is" --max-new-tokens 20
     qwen-mini generate Qwen/Qwen3-0.6B "Why is the sky blue?" --chat --no-thinking
+    qwen-mini chat Qwen/Qwen3-0.6B --think --budget 256 --device cuda
     qwen-mini download Qwen/Qwen3-0.6B   (the real weights, once, on a machine that is online)
     qwen-mini doctor
+    qwen-mini reset ch03           (start a chapter's notebook over; the old one is kept)
     qwen-mini grade ...            (see `qwen-mini grade --help`)
 
 Generated text goes to stdout; notices (stand-in model, sampling settings) go to stderr, so
@@ -18,6 +21,7 @@ import platform
 import sys
 import warnings
 from importlib import metadata
+from pathlib import Path
 
 DOCTOR_TEXT = "Hello, 世界! Grüße 👋🏽 — ∑x² = 1\n\tcode:  if x:<|im_end|>"
 # The control-token ids of each tokenizer family, as in the published tokenizer files.
@@ -29,13 +33,23 @@ SPECIAL_IDS = {
 }  # fmt: skip
 # Their tokenizers ship with qwen_mini, so they must load offline.
 ALWAYS_OFFLINE = ("Qwen/Qwen3-0.6B", "Qwen/Qwen3.5-0.8B")
+DESCRIPTION = (
+    "Run Qwen checkpoints (Qwen3, Qwen3.5, Qwen2.5 and the Qwen3-MoE format) with qwen_mini, the "
+    "package the qwen-mini course builds: generate text, chat, fetch the real weights, check the "
+    "installation, start a chapter's notebook over, grade submitted notebooks. Without real "
+    "weights on disk, a known model name runs on its stand-in (a tiny random model)."
+)
+# The stand-in is random: it never closes its thinking, and what it writes is gibberish. Short
+# replies show the mechanics without minutes of noise; the budget leaves room for an answer.
+STANDIN_MAX_NEW_TOKENS, STANDIN_BUDGET = 48, 8
+DEVICE_HELP = "where the model runs: cpu (default), cuda, cuda:1, mps"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="qwen-mini", description="Run Qwen3 / Qwen2.5 checkpoints with qwen_mini."
+    parser = argparse.ArgumentParser(prog="qwen-mini", description=DESCRIPTION)
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", help="what to do (COMMAND --help)"
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     g = sub.add_parser(
         "generate",
@@ -48,13 +62,27 @@ def build_parser() -> argparse.ArgumentParser:
         "model", metavar="MODEL", help="a model name (Qwen/Qwen3-0.6B) or a checkpoint folder"
     )
     g.add_argument("prompt", metavar="PROMPT", help="the prompt text; '-' reads it from stdin")
-    g.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
+    g.add_argument(
+        "--max-new-tokens",
+        type=int,
+        metavar="N",
+        help=f"at most N new tokens (default 256; {STANDIN_MAX_NEW_TOKENS} on the stand-in)",
+    )
     g.add_argument("--temperature", type=float, help="0 means greedy")
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--min-p", type=float)
-    g.add_argument("--presence-penalty", type=float)
+    g.add_argument("--top-k", type=int, help="sample from the K most likely tokens only")
+    g.add_argument(
+        "--top-p", type=float, help="sample from the likeliest tokens whose probabilities sum to P"
+    )
+    g.add_argument(
+        "--min-p", type=float, help="drop tokens less likely than P times the most likely one"
+    )
+    g.add_argument(
+        "--presence-penalty",
+        type=float,
+        help="subtract this from the logits of tokens already generated (against repetition)",
+    )
     g.add_argument("--seed", type=int, help="makes sampling reproducible")
+    g.add_argument("--device", default="cpu", help=DEVICE_HELP)
     g.add_argument(
         "--dtype",
         choices=["float32", "bfloat16"],
@@ -89,6 +117,23 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODEL",
         help="instead, read every weight of MODEL (a name or a folder) and report the tensors "
         "holding NaN or infinite values",
+    )
+    r = sub.add_parser(
+        "reset",
+        help="start a chapter's notebook over (the old one is kept as a backup)",
+        description="Put the fresh learner copy of CHAPTER into course/, made from solutions/ "
+        "as the build makes it. Your old copy is kept beside it, as "
+        "course/chNN_name.backup-DATE-TIME.ipynb (an earlier backup is never overwritten).",
+    )
+    r.add_argument(
+        "chapter", metavar="CHAPTER", help="ch03, 3, ch03_moe or the notebook's file name"
+    )
+    r.add_argument(
+        "--dir",
+        type=Path,
+        default=Path("."),
+        help="the course's clone, holding course/ and solutions/ (default: this folder or the "
+        "nearest one above it)",
     )
     sub.add_parser(
         "grade", help="grade submitted notebooks (qwen-mini grade --help)", add_help=False
@@ -129,11 +174,11 @@ def run(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    if getattr(args, "max_new_tokens", 0) < 0:
+    if (getattr(args, "max_new_tokens", None) or 0) < 0:  # None: the default, filled in later
         print("qwen-mini: error: --max-new-tokens must be >= 0.", file=sys.stderr)
         return 2
     commands = {"generate": cmd_generate, "download": cmd_download, "doctor": cmd_doctor}
-    commands["chat"] = cmd_chat
+    commands.update(chat=cmd_chat, reset=cmd_reset)
     return commands[args.command](args)
 
 
@@ -187,6 +232,43 @@ def cmd_download(args) -> int:
     return 0
 
 
+# --- reset ------------------------------------------------------------------------------------
+
+
+def cmd_reset(args) -> int:
+    from .course.workspace import find_clone, reset
+
+    notebook, backup = reset(find_clone(args.dir), args.chapter)
+    print(f"{notebook}: the fresh copy of the chapter")
+    print(f"your old copy is kept as {backup}" if backup else "(the old had no changes of yours)")
+    return 0
+
+
+# --- the stand-in -----------------------------------------------------------------------------
+
+
+def fill_defaults(args, model, max_new_tokens: int) -> None:
+    """Fill in --max-new-tokens (and chat's --budget) where left out; on the stand-in, short
+    ones, saying why on stderr after how to get the real weights."""
+    unbudgeted = getattr(args, "think", False) and args.budget is None
+    if model.is_standin:
+        from .hub import standin_help
+
+        print(standin_help(args.model), file=sys.stderr)
+    if model.is_standin and (args.max_new_tokens is None or unbudgeted):
+        budget = f" and thinking to a budget of {STANDIN_BUDGET}" if unbudgeted else ""
+        print(
+            f"qwen-mini: on the stand-in, replies default to {STANDIN_MAX_NEW_TOKENS} tokens"
+            f"{budget}: a random model never ends its thinking (--max-new-tokens, --budget).",
+            file=sys.stderr,
+        )
+        max_new_tokens = STANDIN_MAX_NEW_TOKENS
+        if unbudgeted:
+            args.budget = STANDIN_BUDGET
+    if args.max_new_tokens is None:
+        args.max_new_tokens = max_new_tokens
+
+
 # --- chat -------------------------------------------------------------------------------------
 
 
@@ -202,11 +284,24 @@ def add_chat_parser(sub) -> None:
     mode.add_argument("--think", dest="think", action="store_true", default=True,
                       help="thinking mode (default)")  # fmt: skip
     mode.add_argument("--no-think", dest="think", action="store_false", help="answer directly")
-    c.add_argument("--budget", type=int, metavar="N", help="at most N thinking tokens per reply")
-    c.add_argument("--max-new-tokens", type=int, default=1024, metavar="N")
+    c.add_argument(
+        "--budget",
+        type=int,
+        metavar="N",
+        help=f"at most N thinking tokens per reply (default: none; {STANDIN_BUDGET} on the "
+        "stand-in)",
+    )
+    c.add_argument(
+        "--max-new-tokens",
+        type=int,
+        metavar="N",
+        help="at most N tokens per reply, the budget's closing instruction included (default "
+        f"1024; {STANDIN_MAX_NEW_TOKENS} on the stand-in)",
+    )
     c.add_argument("--system", help="a system prompt")
     c.add_argument("--temperature", type=float, help="default: the mode's preset; 0 = greedy")
     c.add_argument("--seed", type=int, help="makes sampling reproducible")
+    c.add_argument("--device", default="cpu", help=DEVICE_HELP)
 
 
 def cmd_chat(args) -> int:
@@ -216,7 +311,8 @@ def cmd_chat(args) -> int:
 
     if args.budget is not None and (args.budget < 0 or not args.think):
         raise ValueError("--budget N needs N >= 0 and thinking mode (not --no-think).")
-    model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+    model, tokenizer = load_model(args.model, device=args.device), load_tokenizer(args.model)
+    fill_defaults(args, model, max_new_tokens=1024)
     session = ChatSession(
         model, tokenizer, thinking=args.think, budget=args.budget, system=args.system,
         max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature,
@@ -275,8 +371,8 @@ def cmd_generate(args) -> int:
     import torch
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    model = load_model(args.model, dtype, download=args.download)
-    # load_model itself says on stderr when it falls back to the stand-in
+    model = load_model(args.model, dtype, download=args.download, device=args.device)
+    fill_defaults(args, model, max_new_tokens=256)
     tokenizer = load_tokenizer(args.model)
     if args.chat:
         prompt = tokenizer.apply_chat_template(

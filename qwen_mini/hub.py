@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import INDEX_FILE, SINGLE_FILE, load_checkpoint
+from .checkpoint import INDEX_FILE, SINGLE_FILE, checked_device, load_checkpoint
 from .model import CausalLM
 from .standin import load_standin
 
@@ -163,14 +163,20 @@ def resolve(name_or_path: str | Path, download: bool = False) -> Resolved:
     )
 
 
-def standin_notice(name: str, searched: list[str]) -> str:
+def standin_notice(name: str) -> str:
+    """The one line that says a name runs on its stand-in."""
+    return f"qwen_mini: no weights found for {name}; using its stand-in (tiny, random: gibberish)."
+
+
+def standin_help(name: str) -> str:
+    """Where `name` was looked for and how to get its real weights (the command line says it)."""
+    name, searched = known_name(name) or name, []
+    _find(name, searched)
     short = name.split("/")[-1]
     return "\n".join(
         [
-            f"qwen_mini: no weights found for {name}; using its STAND-IN instead.",
             "  Looked in: " + "; ".join(searched) + ".",
-            "  The stand-in is a tiny random model with the real architecture and tokenizer: every",
-            "  notebook runs, but the text it writes is gibberish.",
+            "  The stand-in has the real architecture and tokenizer; its weights are random.",
             "  To use the real weights, do one of:",
             f"    - put the checkpoint folder at ${WEIGHTS_ENV}/{short} and set {WEIGHTS_ENV};",
             f"    - have it in the Hugging Face cache ({hf_cache_dir()}), where transformers and",
@@ -181,19 +187,34 @@ def standin_notice(name: str, searched: list[str]) -> str:
     )
 
 
+def notice(text: str) -> None:
+    """Say something the user should know but need not act on, as one line. A notebook shows
+    stderr as an error, so there it is plain output; elsewhere it goes to stderr, so that a
+    command's stdout holds only what the command produces."""
+    in_notebook = type(sys.stdout).__module__.startswith("ipykernel")
+    print(text, file=sys.stdout if in_notebook else sys.stderr)
+
+
 def load_model(
-    name_or_path: str | Path, dtype: torch.dtype | str | None = None, *, download: bool = False
+    name_or_path: str | Path,
+    dtype: torch.dtype | str | None = None,
+    *,
+    download: bool = False,
+    device: torch.device | str = "cpu",
 ) -> CausalLM:
     """Load a model by name ("Qwen/Qwen3-0.6B") or folder; the stand-in if no weights are found.
 
+    device: where the weights are put and the model runs ("cpu", "cuda", "cuda:1", "mps"); a
+    device this machine does not have is a ValueError before anything is read.
     The model's `source` says where it came from and `is_standin` whether it is the stand-in.
     """
+    device = checked_device(device)
     found = resolve(name_or_path, download=download)
     if found.path is not None:
-        return load_checkpoint(found.path, dtype)
+        return load_checkpoint(found.path, dtype, device)
     name = known_name(str(name_or_path))
-    print(standin_notice(name, found.searched), file=sys.stderr)
-    return load_standin(name, dtype)
+    notice(standin_notice(name))
+    return load_standin(name, dtype, device)
 
 
 def describe(name_or_path: str | Path) -> str:

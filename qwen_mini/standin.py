@@ -126,8 +126,11 @@ def _random_weights(cfg: Config, seed: int) -> dict[str, torch.Tensor]:
     return weights
 
 
-def load_standin(name: str, dtype: torch.dtype | str | None = None) -> CausalLM:
-    """The stand-in for a known model name, e.g. "Qwen/Qwen3-0.6B" (same weights every call)."""
+def load_standin(
+    name: str, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu"
+) -> CausalLM:
+    """The stand-in for a known model name, e.g. "Qwen/Qwen3-0.6B" (same weights every call), on
+    `device`."""
     if name not in STANDINS:
         raise ValueError(f"no stand-in for {name!r}; stand-ins exist for: {', '.join(STANDINS)}.")
     spec = STANDINS[name]
@@ -135,7 +138,7 @@ def load_standin(name: str, dtype: torch.dtype | str | None = None) -> CausalLM:
     weights = _random_weights(cfg, SEED)
     # the same checks and the same assignment as a checkpoint read from disk
     validate(cfg, {k: tuple(w.shape) for k, w in weights.items()}, f"stand-in {name}")
-    model = build_model(cfg, weights, dtype)
+    model = build_model(cfg, weights, dtype, device=device)
     model.generation_config = copy.deepcopy(spec["generation_config"])
     model.source, model.is_standin = "stand-in", True
     return model

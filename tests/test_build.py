@@ -202,7 +202,7 @@ def test_check_detects_drift(tree, capsys):
     assert before == {p: p.read_text() for p in tree.rglob("*") if p.is_file()}  # nothing written
 
     stale.unlink()
-    built(tree, capsys)
+    assert build.main(["--root", str(tree), "--force"]) == 0  # the course copy was edited by hand
     assert "return 1 + x" in (tree / "qwen_mini" / "ch99_fixture.py").read_text()
     assert build.main(["--root", str(tree), "--check"]) == 0
 
@@ -234,3 +234,126 @@ def test_a_cell_tag_exports_to_a_second_module(tree, capsys):
     nbformat.write(nb, tree / "solutions" / "ch98_two.ipynb")
     assert build.main(["--root", str(tree)]) == 1
     assert "export target 'elsewhere/second.py' is not qwen_mini/<x>.py" in capsys.readouterr().err
+
+
+# --- a learner's work is never overwritten -------------------------------------------------------
+
+
+def answered(nb):
+    """`nb` as a learner leaves it: an answer written, the cell run (output, count), a cell added;
+    saved as JupyterLab saves (indent 1, sorted keys)."""
+    nb = json.loads(json.dumps(nb))
+    add_one = cell(nb, "add-one")
+    text = nbs.source(add_one).replace('raise NotImplementedError("ch99.add_one: replace this '
+                                       'line with your code")', "return x + 1")  # fmt: skip
+    assert text != nbs.source(add_one)
+    add_one["source"] = nbs.source_lines(text)
+    add_one["execution_count"] = 3
+    add_one["outputs"] = [{"name": "stdout", "output_type": "stream", "text": ["passed\n"]}]
+    nb["cells"].append(nbformat.v4.new_code_cell("print('my notes')", id="mine"))
+    return nbs.dumps(nb)
+
+
+def two_chapters(tree, capsys):
+    """The fixture built as two chapters (ch99 and ch98), then both solutions changed, so that
+    both learner copies are out of date."""
+    shutil.copy(FIXTURE, tree / "solutions" / "ch98_other.ipynb")
+    nb = json.loads(FIXTURE.read_text())
+    nb["metadata"]["qwen_mini"]["export"] = "qwen_mini/ch98_other.py"
+    (tree / "solutions" / "ch98_other.ipynb").write_text(nbs.dumps(nb))
+    built(tree, capsys)
+    for path in (tree / "solutions").glob("*.ipynb"):
+        path.write_text(path.read_text().replace("Three tiny exercises", "Three small exercises"))
+    return tree / "course" / "ch99_fixture.ipynb", tree / "course" / "ch98_other.ipynb"
+
+
+def test_a_notebook_with_answers_survives_the_build(tree, capsys):
+    mine, other = two_chapters(tree, capsys)
+    mine.write_text(answered(json.loads(mine.read_text())))
+    before = mine.read_bytes()
+
+    assert build.main(["--root", str(tree)]) == 1
+    out, err = capsys.readouterr()
+    assert mine.read_bytes() == before  # byte for byte
+    assert "Three small exercises" in other.read_text()  # the untouched one is regenerated
+    assert "wrote course/ch98_other.ipynb" in out and "course/ch99_fixture.ipynb" not in out
+    assert "not overwritten: course/ch99_fixture.ipynb" in err
+    assert "qwen-mini reset ch99" in err and "--force" in err
+
+    assert build.main(["--root", str(tree), "--check"]) == 1  # CI still sees it out of date
+    out = capsys.readouterr().out
+    assert "out of date: course/ch99_fixture.ipynb (holds changes of its own" in out
+
+    assert build.main(["--root", str(tree), "--force"]) == 0
+    capsys.readouterr()
+    assert "Three small exercises" in mine.read_text() and "my notes" not in mine.read_text()
+    assert build.main(["--root", str(tree), "--check"]) == 0
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "outputs",  # the notebook was run, nothing written: the outputs are kept too
+        "cell deleted",
+        "markdown answer",
+        "no digest",  # a notebook the build did not write
+        "not a notebook",
+    ],
+)
+def test_any_change_of_the_learners_is_kept(tree, capsys, change):
+    mine, _ = two_chapters(tree, capsys)
+    nb = json.loads(mine.read_text())
+    if change == "outputs":
+        cell(nb, "assemble")["outputs"] = [
+            {"data": {"text/plain": ["tensor([2., 2.])"]}, "execution_count": 1,
+             "metadata": {}, "output_type": "execute_result"}
+        ]  # fmt: skip
+    elif change == "cell deleted":
+        nb["cells"] = [c for c in nb["cells"] if c["id"] != "assemble"]
+    elif change == "markdown answer":
+        cell(nb, "why-md")["source"] = "So that the scale does not grow with the width."
+    elif change == "no digest":
+        del nb["metadata"]["qwen_mini"][build.DIGEST_KEY]
+    text = "{not json" if change == "not a notebook" else nbs.dumps(nb)
+    mine.write_text(text)
+    assert build.main(["--root", str(tree)]) == 1
+    assert mine.read_text() == text
+    assert "not overwritten: course/ch99_fixture.ipynb" in capsys.readouterr().err
+
+
+def test_a_copy_only_opened_and_saved_is_regenerated(tree, capsys):
+    """JupyterLab adds kernel details and cell view settings on saving: no work of the learner's."""
+    mine, _ = two_chapters(tree, capsys)
+    nb = json.loads(mine.read_text())
+    nb["metadata"]["language_info"] = {"name": "python", "version": "3.11.2"}
+    cell(nb, "add-one")["metadata"]["collapsed"] = True
+    nb["cells"][0]["source"] = nbs.source(nb["cells"][0])  # a string, not a list: the same text
+    mine.write_text(json.dumps(nb, indent=2))
+    assert build.main(["--root", str(tree)]) == 0
+    assert "Three small exercises" in mine.read_text()
+
+
+def test_a_learners_own_notebook_in_course_is_left_alone(tree, capsys):
+    built(tree, capsys)
+    own = tree / "course" / "my_experiments.ipynb"
+    own.write_text(nbs.dumps(nbformat.v4.new_notebook()))
+    before = own.read_bytes()
+    assert build.main(["--root", str(tree)]) == 0
+    assert own.read_bytes() == before and "my_experiments" not in capsys.readouterr().out
+    assert build.main(["--root", str(tree), "--check"]) == 1  # CI's tree has none
+    assert "no source in solutions/: course/my_experiments.ipynb" in capsys.readouterr().out
+
+
+def test_digest_covers_the_learners_work_only():
+    nb = json.loads(FIXTURE.read_text())
+    digest = build.cells_digest(nb)
+    assert digest.startswith("sha256:") and len(digest) == len("sha256:") + 64
+    same = json.loads(json.dumps(nb))
+    same["metadata"]["kernelspec"] = {"name": "other"}
+    same["cells"][0]["metadata"]["scrolled"] = True
+    assert build.cells_digest(same) == digest
+    for field, value in [("execution_count", 7), ("outputs", [{"output_type": "stream"}]),
+                         ("source", "x = 2"), ("attachments", {"a.png": {}})]:  # fmt: skip
+        other = json.loads(json.dumps(nb))
+        other["cells"][2][field] = value
+        assert build.cells_digest(other) != digest, field

@@ -221,3 +221,66 @@ def test_an_abandoned_turn_leaves_the_history_and_a_prefix_of_the_cache(short_mo
 def test_max_new_tokens_of_a_session_is_checked(short_model, tok, bad):
     with pytest.raises(ValueError, match="max_new_tokens"):
         chat.ChatSession(short_model, tok, max_new_tokens=bad)
+
+
+# --- the budget's forced tokens are never cut --------------------------------------------------
+
+THINK, END, EOS, FORCED = 1, 2, 0, [90, 91, 2, 92]  # the forced tokens hold </think> (2)
+
+
+def thinks_forever(context: list[int]):
+    """A fake model: opens a think block, thinks (ids from 100 up) until it sees </think>, then
+    answers 20 until it stops."""
+
+    def step(ids):
+        context.extend(ids)
+        if THINK not in context:
+            return THINK
+        if END not in context:
+            return 100 + len(context)
+        return 20
+
+    return step
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_forced_tokens_whole_or_not_at_all(thinking):
+    for budget in range(0, 8):
+        for max_new in range(0, 14):
+            context = []
+            out = list(chat.budgeted_tokens(
+                thinks_forever(context), [5, THINK] if thinking else [5], budget=budget,
+                forced_ids=FORCED, think_id=THINK, end_think_id=END, stop_ids={EOS},
+                max_new_tokens=max_new, thinking=thinking,
+            ))  # fmt: skip
+            case = f"budget {budget}, max_new_tokens {max_new}: {out}"
+            assert len(out) <= max_new, case
+            thoughts = [t for t in out if t >= 100]
+            assert len(thoughts) <= budget, case  # never past the budget
+            if 90 in out:  # the forced tokens, whole and in order; then the answer
+                at = out.index(90)
+                assert out[at : at + 4] == FORCED and set(out[at + 4 :]) <= {20}, case
+                if len(out) > at + 4:  # the model answered after seeing them
+                    assert context[context.index(90) :][:4] == FORCED, case
+            # left out only where they could not fit: room for them means they are there
+            if max_new >= len(FORCED) + (0 if thinking else 1):
+                assert 90 in out, case
+
+
+def test_standin_reply_at_the_limit_still_closes_its_thinking(model, tok):
+    forced = tok.encode(chat.BUDGET_STOP)
+    session = chat.ChatSession(
+        model, tok, thinking=True, budget=100, max_new_tokens=10 + len(forced), seed=0
+    )
+    events = list(session.send("Hi"))
+    assert session.turns[0]["generated"] == 10 + len(forced)
+    assert session.turns[0]["thinking"] == 10 + forced.index(tok.end_think_id)  # </think> came
+    # the whole instruction, then </think> (parsed away): the block is closed, not cut
+    reply = session.messages[-1]
+    assert reply["reasoning_content"].endswith(chat.BUDGET_STOP.split("</think>")[0].strip())
+    assert reply["content"] == "" and all(kind == "thinking" for kind, _ in events)
+
+    short = chat.ChatSession(model, tok, thinking=True, budget=2, max_new_tokens=8, seed=0)
+    list(short.send("Hi"))  # 8 tokens cannot hold the instruction: the reply ends at the budget
+    assert short.turns[0]["generated"] == 2
+    assert "Considering" not in short.messages[-1]["reasoning_content"]

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from qwen_mini.chat import BUDGET_STOP
+from qwen_mini.tokenizer import load_tokenizer
+
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "you>"
 
@@ -64,10 +67,10 @@ def _exit_status(pid, fd, out, timeout=60):
 
 @pytest.mark.parametrize("leave", ["\x04", "\x03"], ids=["ctrl-d", "ctrl-c"])
 def test_two_turns_thinking_shown_clean_exit(leave):
-    pid, fd = _spawn("Qwen/Qwen3-0.6B", "--think", "--budget", "3", "--max-new-tokens", "10",
+    pid, fd = _spawn("Qwen/Qwen3-0.6B", "--think", "--budget", "3", "--max-new-tokens", "40",
                      "--seed", "0")  # fmt: skip
     out = _read_until(fd, PROMPT, "")
-    assert "STAND-IN" in out  # no weights here: the random stand-in, and it says so
+    assert "using its stand-in" in out  # no weights here: the random stand-in, and it says so
     for line in ["What is 2+2?", "And 3+3?"]:
         os.write(fd, (line + "\n").encode())
         out = _read_until(fd, PROMPT, out)
@@ -80,14 +83,36 @@ def test_two_turns_thinking_shown_clean_exit(leave):
     assert code == 0, out
     plain = re.sub(r"\x1b\[[0-9;]*m", "", out)
     assert plain.count("[thinking] ") == 2
-    # the budget of 3 tokens is spent, so the instruction to stop thinking appears
-    assert plain.count("Considering the limited time") == 2
+    # the budget of 3 tokens is spent, so the instruction to stop thinking appears, and the answer
+    assert plain.count(BUDGET_STOP.strip().removesuffix("</think>").strip()) == 2
+    assert plain.count("[answer] ") == 2
     assert "\x1b[2m[thinking]" in out  # thinking is dimmed, apart from the answer
     stats = re.findall(r"(\d+) tokens, (\d+) thinking; ([\d.]+) tokens/s; prompt (\d+) tokens, "
                        r"(\d+) reused", plain)  # fmt: skip
     assert len(stats) == 2
     assert int(stats[0][4]) == 0 and int(stats[1][4]) > 0  # the second turn reuses the cache
     assert "Traceback" not in out
+
+
+def test_on_the_standin_a_reply_is_short_and_its_answer_starts():
+    """No --budget, no --max-new-tokens: a random model would think 1,024 tokens of gibberish."""
+    pid, fd = _spawn("Qwen/Qwen3-0.6B", "--seed", "1")
+    out = _read_until(fd, PROMPT, "")
+    assert "replies default to 48 tokens and thinking to a budget of 8" in out
+    os.write(fd, b"Hi\n")
+    out = _read_until(fd, PROMPT, out)
+    os.write(fd, b"\x04")
+    code, out = _exit_status(pid, fd, out)
+    os.close(fd)
+    assert code == 0, out
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", out)
+    instruction = BUDGET_STOP.strip().removesuffix("</think>").strip()
+    assert plain.count(instruction) == 1 and plain.count("[answer] ") == 1  # whole, then answered
+    generated, thinking = map(int, re.search(r"\((\d+) tokens, (\d+) thinking;", plain).groups())
+    tok = load_tokenizer("Qwen/Qwen3-0.6B")
+    forced = tok.encode(BUDGET_STOP)
+    assert thinking == 8 + forced.index(tok.end_think_id)  # the budget, then the instruction
+    assert generated == 48 > 8 + len(forced)  # the rest is the answer: a random model never stops
 
 
 def test_budget_without_thinking_is_refused(capsys):

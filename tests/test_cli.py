@@ -216,3 +216,88 @@ def test_ctrl_c_while_starting_is_no_traceback():
     out, err = started.communicate(timeout=60)
     assert started.returncode == 130, err
     assert "Traceback" not in err
+
+
+# --- help, devices, the stand-in's defaults ------------------------------------------------------
+
+
+def _parsers(parser):
+    """`parser` and every parser below it (the commands)."""
+    import argparse
+
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_every_option_has_help():
+    import argparse
+
+    from qwen_mini.cli import build_parser
+    from qwen_mini.course.grading.cli import build_parser as grade_parser
+
+    found = 0
+    for parser in [*_parsers(build_parser()), grade_parser()]:
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            found += 1
+            name = "/".join(action.option_strings) or action.dest
+            assert action.help and action.help.strip(), f"{parser.prog} {name} has no help text"
+    assert found > 30  # the walk reached the commands' options
+
+
+def test_help_describes_the_package(capsys):
+    assert main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for family in ("Qwen3,", "Qwen3.5", "Qwen2.5", "Qwen3-MoE"):
+        assert family in text
+    for command in ("generate", "chat", "download", "doctor", "reset", "grade"):
+        assert command in text
+
+
+def test_generate_on_the_cpu_device(capsys):
+    argv = ["generate", STANDIN, "Hi", "--max-new-tokens", "3", "--temperature", "0"]
+    assert main([*argv, "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and "error" not in err
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize(
+    "device, problem",
+    [("gpu", "unknown device 'gpu'"), ("cuda:-1", "unknown device"), ("meta", "holds no weights")],
+)
+def test_a_bad_device_is_a_readable_error(capsys, command, device, problem):
+    argv = [command, STANDIN] + (["Hi"] if command == "generate" else [])
+    assert main([*argv, "--device", device]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("qwen-mini: error:") and problem in err and "Traceback" not in err
+
+
+def test_a_missing_gpu_is_a_readable_error(capsys):
+    import torch
+
+    absent = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU: on no machine
+    assert main(["generate", STANDIN, "Hi", "--device", absent]) == 1
+    err = capsys.readouterr().err
+    assert f"device '{absent}' is not available on this machine" in err and "Traceback" not in err
+
+
+def test_generate_on_the_standin_is_short_and_says_why(capsys):
+    assert main(["generate", STANDIN, "The capital of France is", "--seed", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert "on the stand-in, replies default to 48 tokens" in err
+    assert "Looked in:" in err and "qwen-mini download Qwen/Qwen3-0.6B" in err  # the fuller text
+
+    from qwen_mini import generate, load_tokenizer
+    from qwen_mini.hub import load_model
+
+    want = generate(load_model(STANDIN), load_tokenizer(STANDIN), "The capital of France is",
+                    max_new_tokens=48, seed=3)  # fmt: skip
+    assert out == want + "\n"
+    capsys.readouterr()
+    assert main(["generate", STANDIN, "Hi", "--max-new-tokens", "2"]) == 0
+    assert "default to" not in capsys.readouterr().err  # asked for: nothing to explain

@@ -21,6 +21,8 @@ from qwen_mini.hub import (
     find_local,
     hf_cache_dir,
     resolve,
+    standin_help,
+    standin_notice,
 )
 from qwen_mini.standin import STANDINS, load_standin
 
@@ -111,7 +113,8 @@ def test_load_model_reads_the_resolved_folder(env, monkeypatch, capsys):
     model = load_model(QWEN3)
     assert not model.is_standin and model.source == str(folder)
     assert torch.all(model.model.layers[0].mlp.up_proj.weight == 0.25)
-    assert "STAND-IN" not in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert "stand-in" not in out + err  # real weights: no notice
     # a broken folder found by name fails loudly; it never falls back to the stand-in
     (folder / "config.json").unlink()
     with pytest.raises(CheckpointError, match="config.json"):
@@ -159,11 +162,49 @@ def test_download_errors_are_clear(env, monkeypatch):
 
 def test_standin_with_notice(env, capsys):
     model = load_model(QWEN3)
-    err = capsys.readouterr().err
-    assert model.is_standin and model.source == "stand-in"
-    for words in ("no weights found", "STAND-IN", "gibberish", "QWEN_MINI_WEIGHTS",
-                  str(env / "hf"), "download=True"):  # fmt: skip
-        assert words in err, err
+    out, err = capsys.readouterr()
+    assert model.is_standin and model.source == "stand-in" and out == ""
+    assert (
+        err == f"qwen_mini: no weights found for {QWEN3}; using its stand-in (tiny, random: "
+        "gibberish).\n"
+    )
+    more = standin_help(QWEN3)  # what the command line adds
+    for words in ("Looked in", "QWEN_MINI_WEIGHTS", str(env / "hf"), "download=True",
+                  "qwen-mini download Qwen/Qwen3-0.6B"):  # fmt: skip
+        assert words in more, more
+
+
+NOTEBOOK_CELL = """
+import qwen_mini
+model = qwen_mini.load_model("Qwen/Qwen3-0.6B")
+"""
+
+
+def test_in_a_notebook_the_standin_notice_is_one_plain_line(env):
+    """Run in a real kernel: stderr would be shown in red, as an error."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(NOTEBOOK_CELL)])
+    NotebookClient(nb, timeout=120, kernel_name="python3").execute()
+    outputs = nb.cells[0].outputs
+    assert [(o.output_type, o.get("name")) for o in outputs] == [("stream", "stdout")], outputs
+    assert outputs[0].text == standin_notice(QWEN3) + "\n"
+    assert outputs[0].text.count("\n") == 1 and len(outputs[0].text) < 100
+
+
+def test_load_model_on_a_device(env, tmp_path, capsys):
+    folder = write_tiny(tmp_path / "w")
+    for model in (load_model(folder, device="cpu"), load_model(QWEN3, device=torch.device("cpu"))):
+        assert {p.device.type for p in model.parameters()} == {"cpu"}
+        assert model(torch.tensor([[1, 2, 3]])).shape[:2] == (1, 3)
+    for device, problem in [("gpu", "unknown device 'gpu'"), ("meta", "holds no weights"),
+                            (f"cuda:{torch.cuda.device_count()}", "not available")]:  # fmt: skip
+        with pytest.raises(ValueError, match=problem):
+            load_model(folder, device=device)
+        with pytest.raises(ValueError, match=problem):
+            load_model(QWEN3, device=device)
+    capsys.readouterr()
 
 
 @pytest.mark.parametrize("name", list(KNOWN_MODELS))

@@ -193,13 +193,22 @@ def _budget_variant(kind):
                  max_new_tokens, thinking=False):  # fmt: skip
         feed, inside, spent, forced, n = list(prompt_ids), thinking, 0, False, 0
         while n < max_new_tokens:
+            room = max_new_tokens - n
             limit = budget + 1 if kind == "off by one" else budget
-            if inside and budget is not None and spent >= limit and not forced:
+            early = room == len(forced_ids) and kind not in ("cut", "not counted")
+            if inside and budget is not None and (spent >= limit or early) and not forced:
+                if room < len(forced_ids) and kind == "past the budget":
+                    forced = True  # keeps thinking instead of ending the reply
+                    continue
+                if room < len(forced_ids) and kind not in ("cut", "not counted"):
+                    return
+                insert = forced_ids[:room] if kind == "cut" else forced_ids
                 if kind != "not yielded":
-                    yield from forced_ids
-                n += 0 if kind == "not counted" else len(forced_ids)
-                feed = feed if kind == "not fed" else feed + forced_ids
+                    yield from insert
+                n += 0 if kind == "not counted" else len(insert)
+                feed = feed if kind == "not fed" else feed + insert
                 inside, forced = False, True
+                continue
             token = step(feed)
             feed, n = [token], n + 1
             yield token
@@ -258,6 +267,8 @@ WRONG = [
     ("ch04.budgeted_tokens", _budget_variant("not yielded"), "yield them"),
     ("ch04.budgeted_tokens", _budget_variant("counts the tag"), "<think> tag itself"),
     ("ch04.budgeted_tokens", _budget_variant("not counted"), "count towards max_new_tokens"),
+    ("ch04.budgeted_tokens", _budget_variant("cut"), "never cut"),
+    ("ch04.budgeted_tokens", _budget_variant("past the budget"), "not think past the budget"),
     ("ch04.encode_pieces", encode_each_piece, "ONE run"),
     ("ch04.encode_pieces", encode_default, "never become a control token"),
 ]

@@ -2,6 +2,7 @@
 
     python -m qwen_mini.course.build           # write what is out of date
     python -m qwen_mini.course.build --check   # change nothing; exit 1 listing what is out of date
+    python -m qwen_mini.course.build --force   # also overwrite learner notebooks that were changed
 
 A solution notebook is the single source of truth. Its learner copy keeps every cell except
 those tagged `solution-only`; each `### BEGIN SOLUTION` … `### END SOLUTION` region becomes one
@@ -11,6 +12,11 @@ execution counts and widget state are cleared and the kernelspec is normalised. 
 `{"qwen_mini": {"export": "qwen_mini/<module>.py"}}`; a cell tagged `export:qwen_mini/<other>.py`
 goes to that module instead (one chapter can export to several modules). Each module is then
 sorted and formatted by ruff.
+
+A learner's work is never overwritten: each learner copy records a digest of its cells in its
+metadata, and a `course/` notebook whose cells no longer match it (answers, outputs, added cells)
+or that has none (a notebook the build did not write) is left as it is; the build says so and
+exits 1 (`qwen-mini reset chNN` starts a chapter over, keeping a backup; `--force` overwrites).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import hashlib
+import json
 import shutil
 import subprocess
 import sys
@@ -62,7 +70,46 @@ def learner_notebook(nb: dict, name: str) -> dict:
     meta = out.setdefault("metadata", {})
     meta.pop("widgets", None)
     meta["kernelspec"] = dict(KERNELSPEC)
+    meta.setdefault("qwen_mini", {})[DIGEST_KEY] = cells_digest(out)
     return out
+
+
+# --- telling a fresh learner copy from a learner's work ------------------------------------------
+
+DIGEST_KEY = "learner_copy_digest"  # in the notebook metadata's "qwen_mini" entry
+# what a learner's work changes in a cell; metadata (collapsed, scrolled, timings) holds none
+WORK_FIELDS = ("cell_type", "source", "outputs", "execution_count", "attachments")
+
+
+def cells_digest(nb: dict) -> str:
+    """A digest of what a learner can change in `nb`: each cell's type, source, outputs,
+    execution count and attachments, in order (a source's list and string forms are equal)."""
+    cells = [
+        {k: nbs.source(c) if k == "source" else c.get(k) for k in WORK_FIELDS} for c in nb["cells"]
+    ]
+    text = json.dumps(cells, sort_keys=True, ensure_ascii=False)
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def holds_work(path: Path, fresh: dict | None = None) -> bool:
+    """False for a learner copy that holds none of a learner's work: its cells are those the
+    build wrote (the digest it records) or those of `fresh` (the copy the build writes now).
+    True for anything else: answers, outputs, cells added or removed, a notebook without a
+    digest (one the build did not write), a file that is not a notebook."""
+    try:
+        nb = nbs.load(path)
+    except NotebookError:
+        return True
+    meta = nb.get("metadata")
+    stored = meta.get("qwen_mini", {}) if isinstance(meta, dict) else {}
+    recorded = stored.get(DIGEST_KEY) if isinstance(stored, dict) else None
+    digest = cells_digest(nb)
+    return digest != recorded and (fresh is None or digest != cells_digest(fresh))
+
+
+def chapter_label(name: str) -> str:
+    """How commands name a chapter: "ch03" for ch03_moe.ipynb."""
+    return name.split("_")[0].removesuffix(".ipynb")
 
 
 # --- exported modules ----------------------------------------------------------------------------
@@ -218,6 +265,17 @@ def expected_files(root: Path) -> dict[Path, str]:
     return files
 
 
+def kept_work(root: Path, expected: dict[Path, str], paths: list[Path]) -> list[Path]:
+    """The course/ notebooks among `paths` that hold a learner's work: the build must not
+    overwrite them."""
+    course = root / "course"
+    return [
+        p
+        for p in paths
+        if p.parent == course and p.exists() and holds_work(p, json.loads(expected[p]))
+    ]
+
+
 def stale_files(root: Path, expected: dict[Path, str]) -> list[Path]:
     """Generated files whose solution notebook is gone: course notebooks and marked modules."""
     found = list((root / "course").glob("*.ipynb"))
@@ -242,6 +300,11 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if stale")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="overwrite course/ notebooks that hold changes of their own (a learner's answers)",
+    )
     parser.add_argument("--root", type=Path, default=ROOT, help="repository root")
     args = parser.parse_args(argv)
     root = args.root.resolve()
@@ -251,13 +314,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     changed, stale = out_of_date(expected), stale_files(root, expected)
+    kept = [] if args.force else kept_work(root, expected, changed)
 
     def rel(path: Path) -> str:
         return path.relative_to(root).as_posix()
 
     if args.check:
         for path in changed:
-            print(f"out of date: {rel(path)}")
+            mine = " (holds changes of its own: the build leaves it alone)" if path in kept else ""
+            print(f"out of date: {rel(path)}{mine}")
         for path in stale:
             print(f"no source in solutions/: {rel(path)} (delete it, or restore its notebook)")
         if changed or stale:
@@ -266,11 +331,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"up to date: {len(expected)} generated files")
         return 0
     for path in changed:
+        if path in kept:
+            continue
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(expected[path], encoding="utf-8")
         print(f"wrote {rel(path)}")
     for path in stale:
-        print(f"warning: {rel(path)} has no source in solutions/; delete it if it is not needed")
+        if not holds_work(path):  # one the build wrote; anything else is a learner's own file
+            print(f"warning: {rel(path)} has no source in solutions/; delete it if not needed")
+    for path in kept:
+        print(
+            f"not overwritten: {rel(path)} has changes of its own (answers, outputs or cells "
+            f"written since it was generated), so it was left as it is. To start it over from "
+            f"the fresh copy, keeping yours as a backup: qwen-mini reset {chapter_label(path.name)}"
+            f"; to overwrite it: python -m qwen_mini.course.build --force",
+            file=sys.stderr,
+        )
     problems = [
         f"{rel(p)}:\n{found}"
         for p, text in expected.items()
@@ -280,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ruff check fails on a generated module — fix the notebook:\n{problem}")
     if not changed:
         print(f"up to date: {len(expected)} generated files")
-    return 1 if problems else 0
+    return 1 if problems or kept else 0
 
 
 if __name__ == "__main__":

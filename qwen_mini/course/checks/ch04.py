@@ -716,7 +716,24 @@ def _(budgeted_tokens):
     out, _ = _budget(budgeted_tokens, 2, max_new=5)
     if len(out) > 5:
         raise AssertionError("forced tokens count towards max_new_tokens (they are in the reply)")
-    expect_equal("max_new_tokens=5 cuts the forced tokens", out, [THINK, 10, 11, 90, 91])
+    if out[:3] == [THINK, 10, 11]:
+        raise AssertionError(
+            "the forced tokens are never cut: with max_new_tokens=5 only <think> and the 4 forced "
+            "tokens fit, so insert them right after <think>, before the budget of 2 is spent"
+        )
+    expect_equal("max_new_tokens=5: the 4 forced tokens at once, whole", out, [THINK, *FORCED])
+    out, _ = _budget(budgeted_tokens, 2, max_new=4)
+    if 90 in out:
+        raise AssertionError(
+            "the forced tokens are never cut: budget 2 spent with room for 1 token, fewer than "
+            "the 4 forced ones, so end the reply there"
+        )
+    if 12 in out:
+        raise AssertionError(
+            "budget 2 spent with no room for the 4 forced tokens: end the reply there, not "
+            "think past the budget"
+        )
+    expect_equal("max_new_tokens=4: no room for the forced tokens", out, [THINK, 10, 11])
 
 
 @public("ch04.budgeted_tokens")
