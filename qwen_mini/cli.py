@@ -177,9 +177,30 @@ def run(argv: list[str]) -> int:
     if (getattr(args, "max_new_tokens", None) or 0) < 0:  # None: the default, filled in later
         print("qwen-mini: error: --max-new-tokens must be >= 0.", file=sys.stderr)
         return 2
+    import_torch_whole()
     commands = {"generate": cmd_generate, "download": cmd_download, "doctor": cmd_doctor}
     commands.update(chat=cmd_chat, reset=cmd_reset)
     return commands[args.command](args)
+
+
+def import_torch_whole() -> None:
+    """Import torch with Ctrl-C held until the import is done: an interrupt inside its native
+    start-up aborts the process (SIGABRT, no exit code of ours); after it, it is a plain
+    KeyboardInterrupt, which main turns into exit code 130."""
+    import signal
+
+    pressed = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda *_: pressed.append(True))
+    except ValueError:  # not the main thread: signals cannot be held here
+        previous = None
+    try:
+        import torch  # noqa: F401
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    if pressed:
+        raise KeyboardInterrupt
 
 
 def _tolerate_any_locale() -> None:
