@@ -12,7 +12,7 @@ TORCH  ?= torch==2.13.0
 # JupyterLab's own options for `make lab`, e.g. LAB_ARGS="--port 9999 --ip 0.0.0.0 --no-browser"
 LAB_ARGS ?=
 
-.PHONY: lab test test-browser build bench clean
+.PHONY: lab test test-browser browser-deps site test-site build bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,11 +48,27 @@ test: $(VENV)/.dev
 # by Playwright's Python package; no browser download). Installs what it needs.
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-test-browser: $(VENV)/.dev
+browser-deps: $(VENV)/.dev
 	command -v chromium >/dev/null || ($(SUDO) apt-get update && $(SUDO) apt-get install -y chromium)
 	$(BIN)/pip install -e ".[browser]"
+
+test-browser: browser-deps
 	mkdir -p $(VENV)/empty-hf-cache
 	$(NB_ENV) $(BIN)/python -m pytest -s tests/browser/browser_ch02.py
+
+# The course as a static site in build/site/ (open build/site/index.html): the learner notebooks
+# run on the stand-in, rendered by Sphinx with MyST-NB (README: "The course as a website").
+$(VENV)/.site: pyproject.toml $(VENV)/.course
+	$(BIN)/pip install -e ".[site]"
+	touch $@
+
+site: $(VENV)/.site
+	mkdir -p $(VENV)/empty-hf-cache
+	$(NB_ENV) $(BIN)/python -m qwen_mini.course.site --out build/site
+
+# Every page of build/site/ in headless Chromium, and no solution in it (run `make site` first).
+test-site: browser-deps
+	$(BIN)/python -m pytest tests/browser/browser_site.py
 
 # Leaves alone every course/ notebook that holds a learner's work (it says which, and how to proceed).
 build: $(VENV)/.dev

@@ -12,18 +12,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, Qwen3_5ForCausalLM
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
+from qwen_mini.config import ASSETS
 from qwen_mini.deltanet import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from qwen_mini.generation import generate_tokens
 from qwen_mini.runtime import convert_for_runtime
 
-CONFIG = Path(__file__).resolve().parent.parent / "assets" / "configs" / "qwen3.5-0.8b"
+CONFIG = ASSETS / "configs" / "qwen3.5-0.8b"
 
 
 def timed(fn) -> float:

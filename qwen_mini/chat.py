@@ -324,7 +324,9 @@ def plain_tokenizer(tokenizer):
     if key not in _PLAIN:
         import tokenizers
 
-        spec = json.loads(tokenizer.path.read_text(encoding="utf-8"))
+        from qwen_mini.tokenizer import read_tokenizer_json
+
+        spec = read_tokenizer_json(tokenizer.path)  # the Qwen3.5 file is gzipped
         spec["added_tokens"] = []
         _PLAIN[key] = tokenizers.Tokenizer.from_str(json.dumps(spec))
     return _PLAIN[key]

@@ -8,6 +8,7 @@ grade notebooks.
     qwen-mini doctor
     qwen-mini reset ch03           (start a chapter's notebook over; the old one is kept)
     qwen-mini grade ...            (see `qwen-mini grade --help`)
+    qwen-mini export ...           (nbgrader or Gradescope; see `qwen-mini export --help`)
 
 Generated text goes to stdout; notices (stand-in model, sampling settings) go to stderr, so
 `qwen-mini generate ... > out.txt` keeps only the text.
@@ -138,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "grade", help="grade submitted notebooks (qwen-mini grade --help)", add_help=False
     )
+    sub.add_parser(
+        "export",
+        help="a chapter for nbgrader or Gradescope (qwen-mini export --help)",
+        add_help=False,
+    )
     return parser
 
 
@@ -162,6 +168,10 @@ def run(argv: list[str]) -> int:
         from .course.grading.cli import main as grade_cli
 
         return grade_cli(argv[1:])
+    if argv[:1] == ["export"]:  # so does exporting
+        from .course.export import main as export_cli
+
+        return export_cli(argv[1:])
     for arg in argv:
         check_argument(arg)
     try:

@@ -8,13 +8,27 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 from .validation import check_config
 
-# the repository's assets/ folder: real config.json files, the vendored tokenizer (the package
-# is installed editable from a clone, so it sits next to the package)
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+def _package_folder(name: str) -> Path:
+    """A data folder shipped inside the package, as a real path: `tokenizers` opens files by
+    name, and a wheel (or an editable install) puts the package on disk, never in a zip."""
+    folder = resources.files(__package__) / name
+    if not isinstance(folder, Path) or not folder.is_dir():
+        raise RuntimeError(
+            f"qwen_mini's data folder {folder} is missing or not on disk. Reinstall the package "
+            "unzipped, from its wheel (`pip install --force-reinstall qwen_mini-*.whl`) or from "
+            "a clone (`pip install -e .`): the tokenizers library opens its files by name."
+        )
+    return folder
+
+
+# the package's assets/ folder: real config.json files, the vendored tokenizers, the course's
+# small data files (each folder's README gives their source and licence)
+ASSETS = _package_folder("assets")
 
 
 @dataclass

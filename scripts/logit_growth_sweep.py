@@ -1,4 +1,5 @@
-"""The full attention-logit-growth sweep of chapter 2: assets/data/logit_growth_sweep.json.
+"""The full attention-logit-growth sweep of chapter 2, written to
+qwen_mini/assets/data/logit_growth_sweep.json.
 
 Trains the chapter's tiny Qwen3-shaped model (qwen_mini.qk_norm.train_tiny) on Python source,
 with and without QK-Norm, at each learning rate, with fixed seeds, on one CPU thread (so the
@@ -22,10 +23,10 @@ from pathlib import Path
 
 import torch
 
+from qwen_mini.config import ASSETS
 from qwen_mini.qk_norm import train_tiny
 
-ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "assets" / "data" / "logit_growth_sweep.json"
+OUT = ASSETS / "data" / "logit_growth_sweep.json"
 SETTINGS = dict(steps=300, batch=16, seq=128, seed=0, every=5, n_stat=4)
 LRS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 

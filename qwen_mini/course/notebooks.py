@@ -142,6 +142,18 @@ def export_source(text: str, place: str) -> str:
     return _tidy(out)
 
 
+def without_hidden_tests(text: str, place: str) -> str:
+    """`text` with its hidden-test regions dropped and its solution regions kept, markers
+    included (nbgrader's source version of a cell that is not an autograder test)."""
+    out: list[str] = []
+    for kind, indent, lines in _regions(text, place):
+        if kind == "solution":
+            out += [f"{indent}{BEGIN_SOLUTION}\n", *lines, f"{indent}{END_SOLUTION}\n"]
+        elif kind is None:
+            out.extend(lines)
+    return _tidy(out)
+
+
 def learner_source(text: str, place: str, *, code: bool = True, fallback_id: str = "") -> str:
     """The learner's version of a cell: each solution region becomes one placeholder line at the
     BEGIN marker's indentation; hidden tests are dropped.

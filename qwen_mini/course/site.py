@@ -1,0 +1,150 @@
+"""The course as a static site (`make site`): one page per chapter, from the learner notebooks.
+
+    python -m qwen_mini.course.site            # into build/site/ (open build/site/index.html)
+
+Each notebook of `course/` (the learner copies: prose, figures, exercise statements, and a
+`raise NotImplementedError` where each solution goes) is run on the stand-in weights, as a
+learner would run it before writing any answer, and the executed copies are rendered by Sphinx
+with MyST-NB and the book theme (Jupyter Book 1's stack): a page per chapter, links between them,
+a search box, MathJax served from the site itself. Nothing in the site is fetched from the
+internet when it is read. The solutions never reach the site: it is built from `course/` only.
+
+Why not Jupyter Book 2: its HTML theme is downloaded at build time from a template server outside
+the package registries, so it cannot be built on a machine that reaches PyPI and npm only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from . import notebooks as nbs
+
+ROOT = Path(__file__).resolve().parents[2]
+WIDGET = "application/vnd.jupyter.widget-view+json"
+WIDGET_NOTE = (
+    "*An interactive view (sliders) is drawn here when the notebook runs in JupyterLab: "
+    "`make lab`.*"
+)
+
+CONF = """# Written by python -m qwen_mini.course.site: the Sphinx settings of the course site.
+project = "qwen-mini"
+html_title = "qwen-mini: build Qwen3 and Qwen3.5 from scratch"
+extensions = ["myst_nb", "sphinx-mathjax-offline"]  # MathJax served from the site
+nb_execution_mode = "off"  # the notebooks were run before Sphinx sees them
+myst_enable_extensions = ["dollarmath", "amsmath"]
+html_theme = "sphinx_book_theme"
+html_theme_options = {"show_toc_level": 2, "use_download_button": False}
+html_context = {"default_mode": "auto"}  # the theme's script logs an error when none is set
+exclude_patterns = ["_build", "**.ipynb_checkpoints"]
+suppress_warnings = ["mystnb.unknown_mime_type", "myst.header"]  # the notebooks skip levels
+html_copy_source = False
+"""
+
+INDEX = """# qwen-mini
+
+A course in which you build `qwen_mini`, a small and readable PyTorch package that runs the real
+**Qwen3-0.6B** and **Qwen3.5-0.8B**, one architectural idea per chapter.
+
+These pages are the course as a learner first sees it: the explanations, the figures and every
+exercise's statement, run on the embedded stand-in weights (a tiny random model with the real
+architecture and tokenizer, so generated text is gibberish). Where an exercise goes, the code
+says `raise NotImplementedError(...)`; the checks after it say "not implemented yet", and the
+figures use the package's own pieces. To do the exercises, clone the repository and run
+`make lab`.
+
+```{{toctree}}
+:maxdepth: 1
+:caption: Chapters
+
+{chapters}
+```
+"""
+
+
+def title(nb: dict, fallback: str) -> str:
+    for cell in nb["cells"]:
+        if cell.get("cell_type") == "markdown":
+            for line in nbs.source(cell).splitlines():
+                if line.startswith("# "):
+                    return line[2:].strip()
+    return fallback
+
+
+def executed(path: Path, timeout: int) -> dict:
+    """`path` run top to bottom in a fresh kernel in a scratch folder; widget views replaced by
+    a note (their state needs a live kernel, and its script would come from the internet)."""
+    import tempfile
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    with tempfile.TemporaryDirectory(prefix="qwen-mini-site-") as tmp:
+        client = NotebookClient(
+            nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": tmp}}
+        )
+        client.store_widget_state = False
+        client.execute()
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            if WIDGET in output.get("data", {}):
+                output["data"] = {"text/markdown": WIDGET_NOTE}
+    nb.metadata.pop("widgets", None)
+    return nb
+
+
+def _run_one(job: tuple[Path, Path, int]) -> tuple[str, float]:
+    import nbformat
+
+    path, target, timeout = job
+    started = time.monotonic()
+    nbformat.write(executed(path, timeout), target)
+    return path.name, time.monotonic() - started
+
+
+def build(out: Path, course: Path, jobs: int, timeout: int) -> None:
+    src = out.parent / f"{out.name}-src"
+    shutil.rmtree(src, ignore_errors=True)
+    src.mkdir(parents=True)
+    notebooks = sorted(course.glob("ch*.ipynb"))
+    if not notebooks:
+        raise SystemExit(f"error: no chapter notebooks in {course}")
+    if jobs > 1:  # each kernel on a core of its own
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    todo = [(p, src / p.name, timeout) for p in notebooks]
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        for name, seconds in pool.map(_run_one, todo):
+            print(f"ran {name} ({seconds:.0f} s)", flush=True)
+    chapters = "\n".join(p.stem for p in notebooks)
+    (src / "index.md").write_text(INDEX.format(chapters=chapters), encoding="utf-8")
+    (src / "conf.py").write_text(CONF, encoding="utf-8")
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-q", "-W", "--keep-going"]
+    subprocess.run([*cmd, str(src), str(out)], check=True)
+    print(f"wrote {out}/index.html")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m qwen_mini.course.site", description=__doc__)
+    p.add_argument("--out", type=Path, default=ROOT / "build" / "site", help="(build/site)")
+    p.add_argument("--course", type=Path, default=ROOT / "course", help="notebooks (course/)")
+    p.add_argument("--jobs", type=int, default=2, help="notebooks run at once (2)")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per cell (600)")
+    args = p.parse_args(argv)
+    try:
+        build(args.out.resolve(), args.course, max(1, args.jobs), args.timeout)
+    except subprocess.CalledProcessError:
+        print("error: Sphinx failed (its messages are above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
