@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .validation import check_config
 
+
 def _package_folder(name: str) -> Path:
     """A data folder shipped inside the package, as a real path: `tokenizers` opens files by
     name, and a wheel (or an editable install) puts the package on disk, never in a zip."""
