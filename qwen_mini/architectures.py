@@ -15,7 +15,6 @@ flags. To build a model from other blocks, replace them in a row and pass it to 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,6 +29,7 @@ from .families import QWEN3, QWEN3_5, Family
 from .mlp import MLP
 from .moe import qwen3_moe_mlp
 from .norms import RMSNorm, ZeroCentredRMSNorm
+from .validation import check_config_json, read_json
 
 Block = Callable[[Config, int, "Architecture"], nn.Module]  # built as block(cfg, layer_idx, arch)
 
@@ -146,6 +146,7 @@ def config_from_dict(
 ) -> Config:
     """The config of a config.json `d`: the per-type defaults of its row (or of `arch`, a row
     with other blocks), checked against that row."""
+    check_config_json(d, source)  # every bad value in one error, before anything is read
     arch = arch if arch is not None else architecture(d.get("model_type"), source)
     cfg = Config.from_dict(d, source, arch.config_defaults)
     check_config(cfg, arch, source)
@@ -154,8 +155,4 @@ def config_from_dict(
 
 def config_from_file(path: str | Path, arch: Architecture | None = None) -> Config:
     path = Path(path)
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e}).") from None
-    return config_from_dict(d, str(path), arch)
+    return config_from_dict(read_json(path), str(path), arch)

@@ -16,6 +16,7 @@ import torch
 
 from qwen_mini.families import FAMILIES
 from qwen_mini.generation import Sampling, eos_ids_for, next_token, stream_text
+from qwen_mini.tokenizer import check_conversation, check_text, is_whole_number
 
 
 def render_turn(role: str, content: str) -> str:
@@ -101,18 +102,14 @@ def render_tool_call(call: dict, quote=_same) -> str:
     )
 
 
-ROLES = ("system", "user", "assistant", "tool")
-
-
-def _validate(messages: list[dict]) -> None:
-    if not messages:
-        raise ValueError("render_prompt: the conversation is empty; pass at least one message.")
+def _validate(messages: list[dict], tools: list[dict] | None) -> None:
+    """What the official template would silently drop or crash on (an unknown role, a
+    malformed tool call, tools given as one string) is refused, as the tokenizer refuses it."""
+    try:
+        check_conversation(messages, tools)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"render_prompt: {e}") from None
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise ValueError(
-                f"render_prompt: message {i} must be a dict whose 'role' is one of {ROLES}, "
-                f"got {m!r}"
-            )
         if not isinstance(m.get("content"), str):
             raise ValueError(
                 f"render_prompt: message {i} ({m['role']}) needs 'content' as a string "
@@ -134,7 +131,7 @@ def render_prompt(
         tool definitions, names and arguments) just before it is written; the template's own
         text never passes through it. `encode_messages` uses it to keep the two apart.
     """
-    _validate(messages)
+    _validate(messages, tools)
     out = render_header(messages, tools, quote)
     last_query, n = last_query_index(messages), len(messages)
     for i, m in enumerate(messages):
@@ -422,6 +419,8 @@ class ChatSession:
         **sampling,
     ):
         self.model, self.tokenizer, self.thinking, self.budget = model, tokenizer, thinking, budget
+        if not is_whole_number(max_new_tokens) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
         self.max_new_tokens = max_new_tokens
         self.messages = [] if system is None else [{"role": "system", "content": system}]
         family = model.arch.family.name  # the row of the architecture table says
@@ -459,9 +458,42 @@ class ChatSession:
         return self.forward(ids[reused:]), reused
 
     def send(self, text: str) -> Iterator[tuple[str, str]]:
-        """Add a user turn and stream the reply as ("thinking" | "answer", text) events."""
-        self.messages.append({"role": "user", "content": text})
+        """Add a user turn and stream the reply as ("thinking" | "answer", text) events.
+
+        A turn is all or nothing: if it fails (a prompt too long for the context) or the
+        stream is abandoned, the history is as before it and the cache is cut back to what it
+        held before (where a recurrent layer cannot go back, it holds a consistent longer state)."""
+        check_text(text, "send: text")
+        before, cached_before = self.messages, list(self.cached)
+        self.messages = before + [{"role": "user", "content": text}]
+        done = False
+        try:
+            yield from self._reply()
+            done = True
+        finally:
+            if not done:
+                self.messages = before
+                self.rewind(cached_before)
+
+    def rewind(self, cached: list[int]) -> None:
+        """Cut the cache back to the longest prefix it shares with the tokens `cached`."""
+        keep = common_prefix_length(self.cached, cached)
+        try:
+            self.cache.truncate(keep)
+        except ValueError:  # a recurrent state cannot go back; it still matches self.cached
+            return
+        self.cached = self.cached[:keep]
+
+    def _reply(self) -> Iterator[tuple[str, str]]:
+        """The reply to the conversation so far; the assistant turn is added at its end."""
         ids, start = self.prompt_ids(), time.perf_counter()
+        limit = self.model.config.max_position_embeddings
+        if len(ids) > limit:  # refused before the cache is touched
+            raise ValueError(
+                f"the conversation is {len(ids)} tokens, more than this model's context of "
+                f"{limit} positions (max_position_embeddings): send a shorter message or start "
+                f"a new session"
+            )
         seen = torch.zeros(self.model.config.vocab_size, dtype=torch.bool, device=self.device)
         stats = dict(prompt=len(ids), reused=0, generated=0, thinking=0)
         first, inside = True, self.thinking
@@ -502,9 +534,9 @@ class ChatSession:
             yield from router.feed(piece)
         yield from router.close()
         reasoning, answer = parse_reply(tok.decode(reply), thinking=self.thinking)
-        self.messages.append(
+        self.messages = self.messages + [
             {"role": "assistant", "content": answer, "reasoning_content": reasoning}
-        )
+        ]
         stats["computed"] = stats["prompt"] - stats["reused"]
         stats["seconds"] = time.perf_counter() - start
         self.turns.append(stats)

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
+import warnings
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,16 +27,19 @@ from torch import nn
 from .architectures import Architecture, architecture, config_from_file
 from .config import Config
 from .decoder import checkpoint_key, load_weights
+from .generation import check_generation_config
 from .model import CausalLM
 from .runtime import convert_for_runtime
-from .safetensors_file import read_safetensors_header
+from .validation import ConfigError, read_json_object
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-# bytes per element of each safetensors dtype, to check that the header and the file size agree
-DTYPE_BYTES = dict(F64=8, F32=4, F16=2, BF16=2, I64=8, I32=4, I16=2, I8=1, U64=8, U32=4, U16=2)
-DTYPE_BYTES.update(U8=1, BOOL=1, F8_E4M3=1, F8_E5M2=1)
+# the safetensors dtypes PyTorch can load; their sizes check that the header and the file agree
+TORCH_DTYPES = dict(F64=torch.float64, F32=torch.float32, F16=torch.float16, BF16=torch.bfloat16)
+TORCH_DTYPES.update(I64=torch.int64, I32=torch.int32, I16=torch.int16, I8=torch.int8)
+TORCH_DTYPES.update(U64=torch.uint64, U32=torch.uint32, U16=torch.uint16, U8=torch.uint8)
+TORCH_DTYPES.update(BOOL=torch.bool, F8_E4M3=torch.float8_e4m3fn, F8_E5M2=torch.float8_e5m2)
 
 
 class CheckpointError(ValueError):
@@ -160,75 +166,202 @@ def _hint(name: str, cfg: Config, arch: Architecture) -> str:
 # Reading safetensors headers (shapes only, no tensor data)
 
 
+MAX_HEADER_BYTES = 100_000_000  # the limit safetensors itself enforces
+REDO = "Download or convert the file again."
+
+
 def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Tensor name -> (dtype, shape) from a safetensors file, checking that the file is whole.
 
     A safetensors file is: 8 bytes (little-endian header length N), N bytes of JSON naming
-    every tensor with its dtype, shape and byte range, then the raw bytes. A download that
-    stopped early leaves a file shorter than its header promises; that is caught here.
+    every tensor with its dtype, shape and byte range, then the raw bytes. Everything the
+    safetensors library would refuse is refused here first, with the file and tensor named; a
+    download that stopped early leaves a file shorter than its header promises. Only the header
+    is read, never the tensor data.
     """
     size = path.stat().st_size
-    redo = "Download or convert the file again."
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise CheckpointError(f"{path}: only {size} bytes, not a safetensors file. {redo}")
+            raise CheckpointError(f"{path}: only {size} bytes, not a safetensors file. {REDO}")
         (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
+        if n > min(size - 8, MAX_HEADER_BYTES):
             raise CheckpointError(
                 f"{path}: the header claims {n} bytes but the file holds {size}: the file is "
-                f"truncated or not a safetensors file. {redo}"
+                f"truncated or not a safetensors file. {REDO}"
             )
-    try:
-        header = read_safetensors_header(path)  # the format's reader, once the size is known sane
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: the header is not valid JSON ({e}). {redo}") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: the header is not a table of tensors. {redo}")
-    header.pop("__metadata__", None)
-    out, end = {}, 0
-    for name, info in header.items():
-        try:
-            dtype, shape, (lo, hi) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name!r} has a broken header. {redo}") from None
-        if dtype in DTYPE_BYTES and hi - lo != math.prod(shape) * DTYPE_BYTES[dtype]:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} ({dtype}, shape {list(shape)}) should take "
-                f"{math.prod(shape) * DTYPE_BYTES[dtype]} bytes but its header gives {hi - lo}: "
-                f"the file is corrupt. {redo}"
-            )
-        if 8 + n + hi > size:  # name a tensor that does not fit
-            raise CheckpointError(
-                f"{path}: tensor {name!r} ends at byte {8 + n + hi} but the file has only {size} "
-                f"bytes: the file is truncated (an interrupted download?). {redo}"
-            )
-        out[name], end = (dtype, shape), max(end, hi)
-    if 8 + n + end != size:
+        header = _header_json(path, f.read(n))
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
         raise CheckpointError(
-            f"{path}: the tensors end at byte {8 + n + end} but the file has {size} bytes: the "
-            f"file is corrupt. {redo}"
+            f"{path}: the header's __metadata__ must map names to strings only. {REDO}"
         )
-    return out
+    entries = {name: _header_entry(path, name, info) for name, info in header.items()}
+    _check_layout(path, entries, size - 8 - n)
+    return {name: (dtype, shape) for name, (dtype, shape, _) in entries.items()}
 
 
-def memory_needed(cfg: Config) -> str:
-    """What the weights `cfg` describes amount to, from the meta model (nothing is allocated):
-    "18,867 tensors, 30.5 B parameters: 61.1 GB in bfloat16"."""
-    shapes = expected_shapes(cfg)
-    params = sum(math.prod(shape) for shape in shapes.values())
-    dtype = _dtype(cfg.dtype) or torch.float32
+def _header_json(path: Path, raw: bytes) -> dict:
+    """The header's JSON object: UTF-8 without a byte-order mark, as safetensors requires."""
+
+    def unique(pairs):
+        names = [k for k, _ in pairs]
+        if len(set(names)) < len(names):
+            twice = next(k for k in names if names.count(k) > 1)
+            raise CheckpointError(f"{path}: the header names tensor {twice!r} twice. {REDO}")
+        return dict(pairs)
+
+    try:  # json refuses a byte-order mark itself
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: the header is not valid JSON ({e}). {REDO}") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: the header is nested too deeply. {REDO}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the header is not a table of tensors. {REDO}")
+    return header
+
+
+def _header_entry(path: Path, name: str, info) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+    """(dtype, shape, (begin, end)) of one tensor's header entry, each checked."""
+
+    def whole(values) -> bool:
+        return isinstance(values, list) and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values
+        )
+
+    broken = f"{path}: tensor {name!r} has a broken header entry"
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise CheckpointError(f"{broken}: it needs dtype, shape and data_offsets. {REDO}")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in TORCH_DTYPES:
+        raise CheckpointError(
+            f"{broken}: dtype {dtype!r} is not one PyTorch can load (known: "
+            f"{', '.join(TORCH_DTYPES)}). {REDO}"
+        )
+    if not whole(shape):
+        raise CheckpointError(f"{broken}: shape {shape!r} is not a list of sizes >= 0. {REDO}")
+    if not (whole(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
+        raise CheckpointError(
+            f"{broken}: data_offsets {offsets!r} must be two byte positions [begin, end] with "
+            f"0 <= begin <= end. {REDO}"
+        )
+    need = math.prod(shape) * TORCH_DTYPES[dtype].itemsize
+    if offsets[1] - offsets[0] != need:
+        raise CheckpointError(
+            f"{path}: tensor {name!r} ({dtype}, shape {shape}) should take {need} bytes but "
+            f"its header gives {offsets[1] - offsets[0]}: the file is corrupt. {REDO}"
+        )
+    return dtype, tuple(shape), (offsets[0], offsets[1])
+
+
+def _check_layout(path: Path, entries: dict, data_bytes: int) -> None:
+    """The tensors' byte ranges must tile the data section exactly: in range, no gap, no
+    overlap (what safetensors checks before it maps anything)."""
+    end, before = 0, None
+    for name, (_, _, (lo, hi)) in sorted(entries.items(), key=lambda e: e[1][2]):
+        if hi > data_bytes:  # name a tensor that does not fit
+            raise CheckpointError(
+                f"{path}: tensor {name!r} ends at byte {hi} of the data but the file holds only "
+                f"{data_bytes} bytes of data: the file is truncated (an interrupted download?). "
+                f"{REDO}"
+            )
+        if lo != end:
+            what = "overlaps" if lo < end else f"leaves a gap of {lo - end} bytes after"
+            after = f"tensor {before!r}" if before else "the header"
+            raise CheckpointError(
+                f"{path}: tensor {name!r} (bytes {lo} to {hi}) {what} {after}: the file is "
+                f"corrupt. {REDO}"
+            )
+        end, before = hi, name
+    if end != data_bytes:
+        raise CheckpointError(
+            f"{path}: the tensors end at byte {end} of the data but the file holds {data_bytes} "
+            f"bytes after the header: the file is corrupt. {REDO}"
+        )
+
+
+def parameters_at_least(cfg: Config) -> int:
+    """How many parameters the model `cfg` describes, counting only the matrices every such
+    model has (so never more than it has), from the config alone: no module is built, so an
+    absurd config (100,000 layers, 20,000 experts) is measured in microseconds."""
+    c = cfg
+    H, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    attention = H * q * (2 if c.attn_output_gate else 1) + 2 * H * kv + q * H  # q (+gate), k, v, o
+    k_dims = c.linear_num_key_heads * c.linear_key_head_dim
+    v_dims = c.linear_num_value_heads * c.linear_value_head_dim
+    linear = H * (2 * k_dims + v_dims) + v_dims * H  # q, k, v in, out
+    experts = c.num_experts * (3 * H * c.moe_intermediate_size + H)  # each expert, its router row
+    sparse = experts + 3 * H * c.shared_expert_intermediate_size
+    total = c.vocab_size * H * (1 if c.tie_word_embeddings else 2)
+    for i, kind in enumerate(c.layer_types):
+        total += attention if kind == "full_attention" else linear
+        total += sparse if c.is_sparse_layer(i) else 3 * H * c.intermediate_size
+    return total
+
+
+# layers x (1 + experts) past which even the meta model takes seconds to build (Qwen3-235B-A22B:
+# 94 x 129 = 12,126); beyond it sizes are worked out from the config alone
+MAX_BUILD = 30_000
+
+
+def memory_needed(cfg: Config, dtype: torch.dtype | None = None, exact: bool = True) -> str:
+    """What the weights `cfg` describes amount to, nothing allocated: "18,867 tensors, 30.5 B
+    parameters: 61.1 GB in bfloat16", counted on the meta model; with exact=False, or for a
+    config too large to build even that, "at least ..." from the config alone."""
+    dtype = dtype or _dtype(cfg.dtype) or torch.float32
+    if exact and cfg.num_hidden_layers * (1 + cfg.num_experts) <= MAX_BUILD:
+        shapes = expected_shapes(cfg)
+        params, count = sum(math.prod(s) for s in shapes.values()), f"{len(shapes):,} tensors, "
+    else:
+        params, count = parameters_at_least(cfg), "at least "
     gb = params * torch.empty((), dtype=dtype, device="meta").element_size() / 1e9
-    return f"{len(shapes):,} tensors, {params / 1e9:.1f} B parameters: {gb:.1f} GB in {cfg.dtype}"
+    number = f"{params / 1e9:.1f} B" if params >= 1e8 else f"{params:,}"
+    return f"{count}{number} parameters: {gb:.{1 if gb >= 1 else 3}f} GB in {str(dtype)[6:]}"
+
+
+def physical_memory() -> int | None:
+    """This machine's memory in bytes, where the system says (Linux, macOS)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_size(cfg: Config, stored: dict, where: Path, config_file: Path, dtype) -> None:
+    """Refuse, before building anything, a config that describes far more than the weights files
+    hold (a small difference is named tensor by tensor later) or more than this machine's
+    memory."""
+    held = sum(math.prod(shape) for _, _, shape in stored.values())
+    need = parameters_at_least(cfg)
+    if need > 2 * held:  # far more: building even the meta model would take long
+        raise CheckpointError(
+            f"{config_file}: describes {memory_needed(cfg, exact=False)} (num_hidden_layers = "
+            f"{cfg.num_hidden_layers}, num_experts = {cfg.num_experts}, hidden_size = "
+            f"{cfg.hidden_size}), but {where} holds only {held:,} parameters in all. "
+            f"config.json and the weights belong to different models: use the config.json "
+            f"that came with these weights."
+        )
+    dtype = dtype or next(iter({d for _, d, _ in stored.values()}), torch.float32)
+    size = need * torch.empty((), dtype=dtype, device="meta").element_size()
+    memory = physical_memory()
+    if memory is not None and size > memory:
+        raise CheckpointError(
+            f"{config_file}: the model takes {memory_needed(cfg, dtype, exact=False)}, more "
+            f"than this machine's {memory / 1e9:.1f} GB of memory. Use a smaller model."
+        )
 
 
 def _stored_tensors(
     folder: Path, cfg: Config | None = None
-) -> tuple[Path, dict[str, tuple[Path, tuple[int, ...]]]]:
-    """(the file to name in messages, tensor name -> (file that holds it, shape))."""
+) -> tuple[Path, dict[str, tuple[Path, torch.dtype, tuple[int, ...]]]]:
+    """(the file to name in messages, tensor name -> (file that holds it, dtype, shape))."""
     single, index = folder / SINGLE_FILE, folder / INDEX_FILE
     if single.is_file():
-        return single, {name: (single, shape) for name, (_, shape) in read_header(single).items()}
+        return single, {name: (single, TORCH_DTYPES[dtype], shape)
+                        for name, (dtype, shape) in read_header(single).items()}  # fmt: skip
     if index.is_file():
         return index, _read_index(index)
     pickles = sorted(p.name for p in folder.glob("pytorch_model*.bin"))
@@ -246,12 +379,17 @@ def _stored_tensors(
     )
 
 
-def _read_index(index: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+def _read_index(index: Path) -> dict[str, tuple[Path, torch.dtype, tuple[int, ...]]]:
     """Resolve a sharded checkpoint's index, checking each shard holds what the index says."""
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError) as e:
-        raise CheckpointError(f"{index}: not a valid index file ({e!r}).") from None
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(shard, str) and shard and Path(shard).name == shard
+        for shard in weight_map.values()
+    ):
+        raise CheckpointError(
+            f'{index}: not a valid index file: it needs "weight_map", an object from each '
+            f"tensor name to the name of the shard file (in the same folder) that holds it."
+        )
     out, headers = {}, {}
     for name, shard in weight_map.items():
         path = index.parent / shard
@@ -268,8 +406,40 @@ def _read_index(index: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
                 f"{index}: maps tensor {name!r} to {path}, but that file does not contain it. "
                 f"The index and the shards come from different downloads; fetch them again."
             )
-        out[name] = (path, headers[shard][name][1])
+        dtype, shape = headers[shard][name]
+        out[name] = (path, TORCH_DTYPES[dtype], shape)
     return out
+
+
+def load_dtype(stored: dict, names, where: Path) -> torch.dtype | None:
+    """The dtype the weights `names` must be cast to as they load (None: keep them as stored).
+
+    Weights are floating point: an integer or boolean tensor where a weight belongs is refused.
+    Float8 is a storage format PyTorch does not compute in, and shards saved in several float
+    dtypes would fail at the first matrix multiply: both are cast, once, to the dtype that holds
+    most of the parameters (bfloat16 for float8), with one notice.
+    """
+    counts: dict[torch.dtype, int] = {}
+    for name in names:
+        path, dtype, shape = stored[name]
+        if not dtype.is_floating_point:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} is stored as {dtype} integers, but it is a weight of "
+                f"the model and must be floating point (bfloat16, float16 or float32). The file "
+                f"was not written for this model, or was quantized: {REDO}"
+            )
+        counts[dtype] = counts.get(dtype, 0) + math.prod(shape)
+    if len(counts) == 1 and next(iter(counts)).itemsize > 1:
+        return None
+    target = max((d for d in counts if d.itemsize > 1), key=counts.get, default=torch.bfloat16)
+    found = ", ".join(f"{n:,} parameters in {str(d).removeprefix('torch.')}"
+                      for d, n in counts.items())  # fmt: skip
+    warnings.warn(
+        f"{where}: the weights are stored as {found}; converting them to "
+        f"{str(target).removeprefix('torch.')} as they load (pass dtype= to choose).",
+        stacklevel=3,
+    )
+    return target
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,10 +548,11 @@ def checked_device(device: torch.device | str) -> torch.device:
 
 
 def _read_json(path: Path) -> dict:
+    """A JSON object file of the checkpoint (config, index, generation config)."""
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e}).") from None
+        return read_json_object(path)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def load_checkpoint(
@@ -398,6 +569,8 @@ def load_checkpoint(
     e.g. one with your own blocks: the real weights then load into them.
     device: where the weights go ("cpu", memory-mapped, or e.g. "cuda", copied there).
     The model gets `generation_config` (dict), `source` (the folder) and `is_standin` (False).
+    Everything is checked before a tensor is read: the config's fields, the weights' headers,
+    names, shapes and dtypes, the size against the files and the memory, generation_config.json.
     """
     folder, dtype, device = Path(folder).expanduser(), _dtype(dtype), checked_device(device)
     if not folder.is_dir():
@@ -412,18 +585,81 @@ def load_checkpoint(
         cfg = config_from_file(config_file, arch)
     except ValueError as e:  # unknown model_type, missing field, bad JSON
         raise CheckpointError(str(e)) from None
+    generation_config = _generation_config(folder / "generation_config.json")
     where, stored = _stored_tensors(folder, cfg)
+    check_size(cfg, stored, where, config_file, dtype)
     model = meta_model(cfg, arch)  # built once: what to expect, then what to fill
-    found = {name: shape for name, (_, shape) in stored.items()}
+    found = {name: shape for name, (_, _, shape) in stored.items()}
     validate(cfg, found, str(where), str(config_file), model)
-    tensors, keep = {}, expected_shapes(cfg, model)
-    for path in sorted({path for path, _ in stored.values()}):
+    if cfg.tie_word_embeddings and "lm_head.weight" in stored and _head_differs(model, stored):
+        warnings.warn(
+            f"{config_file} says tie_word_embeddings, but {stored['lm_head.weight'][0]} stores "
+            f"an lm_head.weight that differs from the embedding: using the stored head, as "
+            f"transformers does. Set tie_word_embeddings to false to silence this.",
+            stacklevel=2,
+        )
+        cfg = replace(cfg, tie_word_embeddings=False)
+        model = meta_model(cfg, arch)
+    keep = expected_shapes(cfg, model)
+    dtype = dtype or load_dtype(stored, keep, where)
+    tensors = {}
+    for path in sorted({path for path, _, _ in stored.values()}):
         with safe_open(str(path), framework="pt") as f:  # memory-mapped: nothing is read yet
             for name in f.keys():
                 if name in keep and stored[name][0] == path:
                     tensors[name] = f.get_tensor(name)
     model = build_model(cfg, tensors, dtype, model, device)
-    gen = folder / "generation_config.json"
-    model.generation_config = _read_json(gen) if gen.is_file() else {}
+    model.generation_config = generation_config
     model.source, model.is_standin = str(folder), False
     return model
+
+
+def _head_differs(model: CausalLM, stored: dict, rows: int = 8) -> bool:
+    """Whether a stored lm_head.weight differs from the embedding it is meant to be tied to
+    (transformers then keeps both). Compared on `rows` rows at the start, middle and end of the
+    vocabulary, so the check reads a few kilobytes, not the two largest tensors."""
+    cfg = model.config
+    embed = checkpoint_name("model.embed_tokens.weight", cfg, model.arch)
+    middle = cfg.vocab_size // 2
+    blocks = [(0, rows), (middle, middle + rows), (cfg.vocab_size - rows, cfg.vocab_size)]
+    read = []
+    for name in (embed, "lm_head.weight"):
+        with safe_open(str(stored[name][0]), framework="pt") as f:
+            table = f.get_slice(name)
+            read.append(torch.cat([table[max(lo, 0) : hi] for lo, hi in blocks]))
+    return not torch.equal(*read)
+
+
+def _generation_config(path: Path) -> dict:
+    """generation_config.json, its values checked now rather than at the first generate."""
+    if not path.is_file():
+        return {}
+    gc = _read_json(path)
+    try:
+        check_generation_config(gc)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e} Fix the file or delete it.") from None
+    return gc
+
+
+def scan_nonfinite(folder: str | Path, rows: int = 4096) -> list[tuple[Path, str, int, int]]:
+    """(file, tensor, how many values are NaN or infinite, of how many) for every stored tensor
+    that holds any: a full read of the weights, so only on request (`qwen-mini doctor --scan`).
+    Read in blocks of `rows` rows, so the scan needs little memory beyond the mapped file."""
+    folder = Path(folder).expanduser()
+    _, stored = _stored_tensors(folder)
+    found = []
+    for path in sorted({path for path, _, _ in stored.values()}):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                if not tensor.dtype.is_floating_point or tensor.numel() == 0:
+                    continue
+                flat = tensor.reshape(tensor.shape[0] if tensor.dim() else 1, -1)
+                bad = sum(
+                    int((~torch.isfinite(flat[i : i + rows].float())).sum())
+                    for i in range(0, flat.shape[0], rows)
+                )
+                if bad:
+                    found.append((path, name, bad, tensor.numel()))
+    return found

@@ -107,7 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("model", metavar="MODEL", help="a model name, e.g. Qwen/Qwen3-0.6B")
     add_chat_parser(sub)
-    sub.add_parser("doctor", help="check the installation: versions, models, tokenizer")
+    doctor = sub.add_parser("doctor", help="check the installation: versions, models, tokenizer")
+    doctor.add_argument(
+        "--scan",
+        metavar="MODEL",
+        help="instead, read every weight of MODEL (a name or a folder) and report the tensors "
+        "holding NaN or infinite values",
+    )
     r = sub.add_parser(
         "reset",
         help="start a chapter's notebook over (the old one is kept as a backup)",
@@ -137,7 +143,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    _tolerate_any_locale()
+    try:
+        return run(sys.argv[1:] if argv is None else list(argv))
+    except KeyboardInterrupt:  # Ctrl-C, also while the libraries are still being imported
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `qwen-mini generate ... | head`: the reader left, nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except Exception as e:  # a learner gets the message, not a traceback
+        kind = "" if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: "
+        print(f"qwen-mini: error: {kind}{e}", file=sys.stderr)
+        return 1
+
+
+def run(argv: list[str]) -> int:
     if argv[:1] == ["grade"]:  # grading has its own parser: hand it everything after "grade"
         from .course.grading.cli import main as grade_cli
 
@@ -146,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         from .course.export import main as export_cli
 
         return export_cli(argv[1:])
+    for arg in argv:
+        check_argument(arg)
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help or a usage error: argparse has printed the message
@@ -156,20 +179,71 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if (getattr(args, "max_new_tokens", None) or 0) < 0:  # None: the default, filled in later
+        print("qwen-mini: error: --max-new-tokens must be >= 0.", file=sys.stderr)
+        return 2
+    import_torch_whole()
+    commands = {"generate": cmd_generate, "download": cmd_download, "doctor": cmd_doctor}
+    commands.update(chat=cmd_chat, reset=cmd_reset)
+    return commands[args.command](args)
+
+
+def import_torch_whole() -> None:
+    """Import torch with Ctrl-C held until the import is done: an interrupt inside its native
+    start-up aborts the process (SIGABRT, no exit code of ours); after it, it is a plain
+    KeyboardInterrupt, which main turns into exit code 130."""
+    import signal
+
+    pressed = []
     try:
-        commands = {"generate": cmd_generate, "download": cmd_download, "doctor": cmd_doctor}
-        commands.update(chat=cmd_chat, reset=cmd_reset)
-        return commands[args.command](args)
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # `qwen-mini generate ... | head`: the reader left, nothing is wrong
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    except Exception as e:  # a learner gets the message, not a traceback
-        kind = "" if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: "
-        print(f"qwen-mini: error: {kind}{e}", file=sys.stderr)
-        return 1
+        previous = signal.signal(signal.SIGINT, lambda *_: pressed.append(True))
+    except ValueError:  # not the main thread: signals cannot be held here
+        previous = None
+    try:
+        import torch  # noqa: F401
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    if pressed:
+        raise KeyboardInterrupt
+
+
+def _tolerate_any_locale() -> None:
+    """Under a non-UTF-8 locale (LANG=C on an old system, a Latin-1 terminal) printing a Chinese
+    or emoji token would raise UnicodeEncodeError: what the terminal cannot show is replaced."""
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
+
+
+def check_argument(text: str) -> None:
+    """Python keeps the bytes of an argument or a typed line that are not valid in the
+    terminal's encoding as lone surrogates; say so instead of failing in the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"{text.encode('utf-8', 'backslashreplace').decode()!r} is not valid text in this "
+            f"terminal's encoding ({sys.getfilesystemencoding()}); pass UTF-8 text, or give the "
+            f"prompt on stdin with '-'."
+        ) from None
+
+
+def read_stdin() -> str:
+    """All of stdin as text, for PROMPT '-': a clear error if stdin is closed or not text."""
+    if sys.stdin is None or sys.stdin.closed:
+        raise ValueError("PROMPT is '-' but stdin is closed; pipe the prompt in or pass it.")
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    if isinstance(data, str):
+        return data
+    encoding = sys.stdin.encoding or "utf-8"
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"stdin is not valid {encoding} text (byte {e.start}: {data[e.start : e.start + 1]!r}"
+            f"); convert the prompt file to UTF-8, e.g. iconv -t UTF-8."
+        ) from None
 
 
 # --- download ---------------------------------------------------------------------------------
@@ -274,6 +348,8 @@ def cmd_chat(args) -> int:
     mode = "thinking" if args.think else "no thinking"
     budget = f", budget {args.budget} tokens" if args.budget is not None else ""
     print(f"qwen-mini chat: {args.model} ({mode}{budget}). Ctrl-D or Ctrl-C to leave.")
+    if sys.stdin is None or sys.stdin.closed:
+        raise ValueError("chat reads your messages from stdin, which is closed.")
     try:
         while True:
             try:
@@ -281,7 +357,15 @@ def cmd_chat(args) -> int:
             except EOFError:
                 print()
                 return 0
+            except UnicodeDecodeError:
+                print(f"(that line is not valid {sys.stdin.encoding} text; type it again)")
+                continue
             if not text.strip():
+                continue
+            try:
+                check_argument(text)
+            except ValueError as e:
+                print(f"({e})")
                 continue
             channel = None
             for kind, piece in session.send(text):
@@ -309,7 +393,7 @@ def cmd_generate(args) -> int:
     from .hub import load_model
     from .tokenizer import load_tokenizer
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = read_stdin() if args.prompt == "-" else args.prompt
     import torch
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
@@ -352,11 +436,32 @@ def cmd_generate(args) -> int:
 
 
 def cmd_doctor(args) -> int:
+    if args.scan:
+        return scan_weights(args.scan)
     ok = check_versions()
     ok &= check_models()
     ok &= check_tokenizers()
     print("\nOK: qwen_mini is ready." if ok else "\nFAIL: see the lines marked FAIL above.")
     return 0 if ok else 1
+
+
+def scan_weights(name: str) -> int:
+    from .checkpoint import scan_nonfinite
+    from .hub import find_local
+
+    folder = find_local(name)
+    if folder is None:
+        raise ValueError(f"{name}: no checkpoint folder found on this machine to scan.")
+    print(f"scanning the weights in {folder} for NaN and infinite values")
+    found = scan_nonfinite(folder)
+    for path, tensor, bad, total in found:
+        print(f"  FAIL {path.name}: {tensor}: {bad:,} of {total:,} values are NaN or infinite")
+    if found:
+        print(f"\nFAIL: {len(found)} tensors hold non-finite values: the files are corrupt; "
+              f"download or convert them again.")  # fmt: skip
+        return 1
+    print("\nOK: every weight is finite.")
+    return 0
 
 
 def check_versions() -> bool:

@@ -12,14 +12,21 @@ the top_k boundary are kept, and at least one token always survives.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields, replace
 
 import torch
 
 from .decoder import decode
+from .tokenizer import is_whole_number
+from .validation import is_number
 
 DEFAULT_MAX_NEW_TOKENS = 256
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """The model produced NaN or infinite logits: no token can be chosen from them."""
 
 
 # --- the filters: each takes logits [..., V] and returns new logits [..., V] -------------------
@@ -93,11 +100,18 @@ class Sampling:
     presence_penalty: float = 0.0  # subtracted once from every token already generated
 
     def __post_init__(self):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty"):
+            value = getattr(self, name)
+            if value is not None and not (is_number(value) and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number, got {value!r}.")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}.")
-        if self.top_k is not None and (int(self.top_k) != self.top_k or self.top_k < 0):
+        if self.top_k is not None and not (
+            is_number(self.top_k) and math.isfinite(self.top_k)
+            and int(self.top_k) == self.top_k and self.top_k >= 0
+        ):  # fmt: skip
             raise ValueError(
-                f"top_k must be a whole number >= 0 (0 or None: off), got {self.top_k}."
+                f"top_k must be a whole number >= 0 (0 or None: off), got {self.top_k!r}."
             )
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 or None: off), got {self.top_p}.")
@@ -148,25 +162,51 @@ def eos_ids_for(model, eos_token_ids=None) -> set[int]:
         eos_token_ids = gc.get("eos_token_id")
     if eos_token_ids is None:
         eos_token_ids = model.config.eos_token_ids
-    return {eos_token_ids} if isinstance(eos_token_ids, int) else set(eos_token_ids)
+    ids = [eos_token_ids] if not isinstance(eos_token_ids, (list, tuple, set)) else eos_token_ids
+    if not all(is_whole_number(i) for i in ids):
+        raise ValueError(f"eos_token_ids must be token ids (whole numbers), got {eos_token_ids!r}.")
+    return {int(i) for i in ids}
+
+
+def check_generation_config(gc: dict) -> None:
+    """Raise ValueError if a generation_config.json's values could not be used: every sampling
+    setting it gives, whether or not it samples, and its end ids."""
+    if "do_sample" in gc and not isinstance(gc["do_sample"], bool):
+        raise ValueError(f"do_sample must be true or false, got {gc['do_sample']!r}.")
+    names = {f.name for f in fields(Sampling)}
+    Sampling(**{k: v for k, v in gc.items() if k in names and v is not None})
+    if gc.get("eos_token_id") is not None:
+        eos = gc["eos_token_id"]
+        ids = eos if isinstance(eos, list) else [eos]
+        if not all(is_whole_number(i) and i >= 0 for i in ids):
+            raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}.")
+
+
+def check_ids(ids, vocab_size: int, what: str = "token ids") -> None:
+    """Every id a whole number in [0, vocab_size): a float would be truncated, an id past the
+    vocabulary has no embedding row."""
+    wrong = [i for i in ids if not is_whole_number(i)]
+    if wrong:
+        raise ValueError(f"{what} must be whole numbers, got {wrong[0]!r}.")
+    bad = [int(i) for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(
+            f"{what} {bad[:5]} are outside this model's vocabulary of {vocab_size} ids "
+            f"(0 to {vocab_size - 1}); was the text encoded with another tokenizer?"
+        )
 
 
 def _check_prompt(model, prompt_ids: list[int], max_new_tokens: int):
     """Fail before any work: a context overflow halfway through would waste the whole prefill."""
     cfg = model.config
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
+    if not is_whole_number(max_new_tokens) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}.")
     if len(prompt_ids) == 0:
         raise ValueError(
             "the prompt is empty: Qwen models have no start token, so give at least "
             "one token to continue from."
         )
-    bad = [i for i in prompt_ids if not 0 <= i < cfg.vocab_size]
-    if bad:
-        raise ValueError(
-            f"prompt ids {bad[:5]} are outside this model's vocabulary of "
-            f"{cfg.vocab_size} ids; was the prompt encoded with another tokenizer?"
-        )
+    check_ids(prompt_ids, cfg.vocab_size, "prompt ids")
     n, limit = len(prompt_ids), cfg.max_position_embeddings
     if n + max_new_tokens > limit:
         fix = (
@@ -215,8 +255,9 @@ def generate_tokens(
         sampling = Sampling.for_model(model, **settings)
     elif settings:
         sampling = replace(sampling, **settings)
-    prompt_ids = [int(i) for i in prompt_ids]
+    prompt_ids = list(prompt_ids)
     _check_prompt(model, prompt_ids, max_new_tokens)
+    prompt_ids = [int(i) for i in prompt_ids]
     stop = eos_ids_for(model, eos_token_ids)
     return _decode(model, prompt_ids, max_new_tokens, sampling, seed, stop)
 
@@ -241,12 +282,20 @@ def _decode(model, prompt_ids, max_new_tokens, s: Sampling, seed, stop) -> Itera
 
 def next_token(logits: torch.Tensor, seen: torch.Tensor, s: Sampling, generator=None) -> int:
     """Choose the next id from one position's logits [V] with the settings `s`."""
+    if not torch.isfinite(logits).all():  # NaN or inf would become a token, silently
+        raise NonFiniteLogitsError(
+            "the model's logits hold NaN or infinite values, so no next token can be chosen. "
+            "Either the weights hold such values (check them with `qwen-mini doctor --scan "
+            "MODEL`) or the activations overflowed (load the model with dtype=torch.float32)."
+        )
     if s.presence_penalty:
         logits = apply_presence_penalty(logits, seen, s.presence_penalty)
     if s.temperature == 0:
         return int(logits.argmax())
-    logits = filter_logits(logits, s.temperature, s.top_k, s.top_p, s.min_p)
-    probs = torch.softmax(logits, dim=-1)
+    filtered = filter_logits(logits, s.temperature, s.top_k, s.top_p, s.min_p)
+    probs = torch.softmax(filtered, dim=-1)
+    if not torch.isfinite(probs).all():  # a temperature so small that logits / t overflowed:
+        return int(logits.argmax())  # the limit of a vanishing temperature is greedy
     return int(torch.multinomial(probs, 1, generator=generator))
 
 

@@ -81,6 +81,21 @@ class CausalLM(nn.Module):
         if input_ids.dim() != 2:
             shape = list(input_ids.shape)
             raise ValueError(f"input_ids must be [batch, tokens], got shape {shape}.")
+        if (
+            input_ids.dtype.is_floating_point
+            or input_ids.dtype.is_complex
+            or (input_ids.dtype == torch.bool)
+        ):
+            raise ValueError(
+                f"input_ids must hold whole-number token ids (torch.long), got {input_ids.dtype}."
+            )
+        V = self.config.vocab_size
+        if input_ids.numel() and not (0 <= int(input_ids.min()) and int(input_ids.max()) < V):
+            bad = input_ids[(input_ids < 0) | (input_ids >= V)].unique()[:5].tolist()
+            raise ValueError(
+                f"input_ids {bad} are outside this model's vocabulary of {V} ids (0 to {V - 1}); "
+                f"were they encoded with another tokenizer?"
+            )
         B, T = input_ids.shape
         start = cache.length if cache is not None else 0
         limit = self.config.max_position_embeddings

@@ -38,6 +38,7 @@ import tokenizers
 
 from .config import ASSETS
 from .families import family_of
+from .validation import read_json_object
 
 VENDORED_QWEN3 = ASSETS / "tokenizers" / "qwen3"
 VENDORED_QWEN3_5 = ASSETS / "tokenizers" / "qwen3_5"
@@ -69,6 +70,39 @@ QWEN3_5_CONTROL_TOKENS = (
 )  # fmt: skip
 
 
+# embedding rows past the last token id come in whole blocks of this many (see decode)
+PADDING = 1024
+
+
+class TokenizerError(ValueError):
+    """A tokenizer or chat-template file that cannot be used; the message names the file."""
+
+
+def check_text(text, what: str) -> str:
+    """`text` if it is a string a tokenizer can encode: not bytes, None or a lone surrogate."""
+    if not isinstance(text, str):
+        hint = " (decode bytes first: data.decode('utf-8'))" if isinstance(text, bytes) else ""
+        raise TypeError(f"{what} must be a string, got {type(text).__name__}{hint}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{what} holds a lone surrogate {text[e.start]!r} at position {e.start}, which is "
+            f"no character; text read with errors='surrogateescape' must be repaired first"
+        ) from None
+    return text
+
+
+def is_whole_number(value) -> bool:
+    """An int, or an integer numpy/torch scalar: never a float (int(2.7) would be 2) or a bool."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return True
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and getattr(value, "ndim", 1) == 0 and "int" in str(dtype)
+
+
 class Tokenizer:
     """A Qwen tokenizer: text <-> ids, named control tokens, and the chat template.
 
@@ -80,12 +114,18 @@ class Tokenizer:
 
     def __init__(self, tokenizer_json: str | Path, chat_template: str | None = None, config=None):
         self.path = Path(tokenizer_json)
-        if self.path.suffix == ".gz":  # the generated Qwen3.5 file is stored compressed
-            self._tok = tokenizers.Tokenizer.from_str(
-                gzip.decompress(self.path.read_bytes()).decode()
-            )
-        else:
-            self._tok = tokenizers.Tokenizer.from_file(str(self.path))
+        try:
+            if self.path.suffix == ".gz":  # the generated Qwen3.5 file is stored compressed
+                self._tok = tokenizers.Tokenizer.from_str(
+                    gzip.decompress(self.path.read_bytes()).decode()
+                )
+            else:
+                self._tok = tokenizers.Tokenizer.from_file(str(self.path))
+        except Exception as e:  # tokenizers raises a bare Exception for a corrupt file
+            raise TokenizerError(
+                f"{self.path}: not a readable tokenizer file ({e}). Copy the checkpoint's "
+                f"tokenizer.json again."
+            ) from None
         self.chat_template = chat_template
         self.config = dict(config or {})
 
@@ -123,10 +163,25 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Ids of `text`. Control tokens written in the text (`<|im_start|>`) become their ids,
         as in transformers; no BOS/EOS is added (Qwen uses none)."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(check_text(text, "encode: text"), add_special_tokens=False).ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        """Text of `ids`. Ids that end inside a multi-byte character decode to U+FFFD."""
+        """Text of `ids`. Ids that end inside a multi-byte character decode to U+FFFD.
+
+        Qwen checkpoints pad their embedding past the last token id to a round number of rows
+        (151,936 for 151,669 ids); those rows decode to nothing, as in transformers. Any other
+        id is refused, not turned into ''."""
+        listable = hasattr(ids, "__iter__") and not isinstance(ids, (str, bytes, dict))
+        ids = list(ids) if listable else None
+        if ids is None or not all(is_whole_number(i) for i in ids):
+            raise TypeError(f"decode: ids must be a list of whole-number token ids, got {ids!r}")
+        padded = -(-self.vocab_size // PADDING) * PADDING
+        bad = [int(i) for i in ids if not 0 <= i < padded]
+        if bad:
+            raise ValueError(
+                f"decode: ids {bad[:5]} are not token ids of {self.path} (0 to "
+                f"{self.vocab_size - 1}); were they made by another model?"
+            )
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
@@ -172,27 +227,94 @@ class Tokenizer:
                 f"No chat template next to {self.path}: expected tokenizer_config.json with a "
                 "'chat_template' entry, or chat_template.jinja."
             )
-        if not messages:
-            raise ValueError("Cannot render an empty conversation: pass at least one message.")
+        check_conversation(messages, tools)
         # Like transformers: the template also sees the special tokens by name (eos_token, ...).
         variables = {k: _token_text(v) for k, v in self.config.items() if k.endswith("_token")}
         variables = {k: v for k, v in variables.items() if v is not None}
         variables.update(kwargs)
         if enable_thinking is not None:
             variables["enable_thinking"] = enable_thinking
-        return _compile(self.chat_template).render(
-            messages=[_prepare_message(m) for m in messages],
-            tools=_plain(tools),
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
-            **_plain(variables),
+        import jinja2
+
+        try:
+            return _compile(self.chat_template).render(
+                messages=[_prepare_message(m) for m in messages],
+                tools=_plain(tools),
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **_plain(variables),
+            )
+        except jinja2.TemplateError as e:  # the template's own raise_exception, or a bad value
+            raise TokenizerError(
+                f"the chat template next to {self.path} refused this conversation: {e}"
+            ) from None
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_conversation(messages, tools=None) -> None:
+    """Refuse what the official templates would silently drop or crash on: a message that is
+    not a dict, an unknown role, a missing or non-text content, a malformed tool call, tools that
+    are not a list of definitions (a string would be read character by character)."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(
+            f"messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got "
+            f"{messages!r}"
         )
+    if tools is not None and not (
+        isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)
+    ):
+        raise ValueError(
+            f"tools must be a list of tool definitions (dicts, e.g. {{'type': 'function', "
+            f"'function': {{'name': ..., 'parameters': ...}}}}), got {tools!r}"
+        )
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(
+                f"A chat message must be a dict with 'role' and 'content', got {message!r}"
+            )
+        _check_message(i, message)
+
+
+def _check_message(i: int, m: dict) -> None:
+    role = m.get("role")
+    if role not in ROLES:
+        raise ValueError(f"message {i}: role must be one of {', '.join(ROLES)}, got {role!r}")
+    calls, content = m.get("tool_calls"), m.get("content")
+    if content is None:  # the Qwen templates read it in every turn, tool-calling ones too
+        raise ValueError(f"message {i} ({role}) has no 'content'; use '' for an empty one")
+    if isinstance(content, str):
+        check_text(content, f"message {i} ({role}): content")
+    elif isinstance(content, list):  # parts: [{"type": "text", "text": ...}, {"type": "image"}]
+        if not all(isinstance(p, dict) and isinstance(p.get("type"), str) for p in content):
+            raise ValueError(f"message {i} ({role}): each part of a list content needs a 'type'")
+    elif content is not None:
+        raise ValueError(
+            f"message {i} ({role}): content must be a string, got {type(content).__name__}"
+        )
+    for key in ("reasoning_content", "thinking", "reasoning"):
+        if m.get(key) is not None:
+            check_text(m[key], f"message {i} ({role}): {key}")
+    if calls is None:
+        return
+    if role != "assistant" or not isinstance(calls, (list, tuple)):
+        raise ValueError(f"message {i} ({role}): tool_calls must be a list, on an assistant turn")
+    for j, call in enumerate(calls):
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not (
+            isinstance(function, dict)
+            and isinstance(function.get("name"), str)
+            and isinstance(function.get("arguments", {}), (str, dict))
+        ):
+            raise ValueError(
+                f"message {i} (assistant): tool call {j} must be {{'function': {{'name': str, "
+                f"'arguments': dict or JSON string}}}}, got {call!r}"
+            )
 
 
 def _prepare_message(message: dict) -> dict:
     """A plain copy of one message, normalised as transformers does before rendering."""
-    if not isinstance(message, dict):
-        raise TypeError(f"A chat message must be a dict with 'role' and 'content', got {message!r}")
     # Keys set to None (as OpenAI-style APIs return) are treated as absent.
     message = {k: _plain(v) for k, v in message.items() if v is not None}
     # Older names for the reasoning are accepted and copied to the one templates read.
@@ -255,17 +377,44 @@ def _read_chat_template(folder: Path) -> str | None:
     # Newer checkpoints keep the template in its own file; older ones inside tokenizer_config.json.
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
+        return _check_template(_read_text(jinja_file), jinja_file)
+    config_file = folder / "tokenizer_config.json"
     template = _read_config(folder).get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        if not all(isinstance(t, dict) and {"name", "template"} <= t.keys() for t in template):
+            raise TokenizerError(
+                f"{config_file}: chat_template is a list, so each entry must be an object with "
+                f'"name" and "template".'
+            )
         named = {t["name"]: t["template"] for t in template}
         template = named.get("default")
+    return None if template is None else _check_template(template, config_file)
+
+
+def _check_template(template, source: Path) -> str:
+    """A chat template that compiles: a broken one is reported now, naming its file, not at the
+    first chat."""
+    import jinja2
+
+    if not isinstance(template, str):
+        raise TokenizerError(f"{source}: the chat template must be a string of Jinja text.")
+    try:
+        _compile(template)
+    except jinja2.TemplateError as e:
+        raise TokenizerError(f"{source}: the chat template does not compile ({e}).") from None
     return template
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}).") from None
 
 
 def _read_config(folder: Path) -> dict:
     path = folder / "tokenizer_config.json"
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    return read_json_object(path) if path.is_file() else {}
 
 
 def read_tokenizer_json(path: Path) -> dict:

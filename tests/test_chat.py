@@ -169,6 +169,59 @@ def test_non_thinking_session_prefills_the_empty_block(model, tok):
     assert session.turns[0]["thinking"] == 0
 
 
+# --- a turn is all or nothing ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def short_model():
+    """A tiny random model with the real vocabulary and a context of 64 positions, so that a
+    turn can overflow it."""
+    from helpers import tiny_model
+
+    return tiny_model("qwen3", vocab_size=151936, max_position_embeddings=64)
+
+
+def state(session) -> tuple:
+    return ([dict(m) for m in session.messages], list(session.cached), session.cache.length,
+            len(session.turns))  # fmt: skip
+
+
+def test_a_turn_that_overflows_the_context_changes_nothing(short_model, tok):
+    session = chat.ChatSession(short_model, tok, thinking=False, max_new_tokens=3, temperature=0)
+    list(session.send("Hi"))
+    before = state(session)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        list(session.send("word " * 80))  # the prompt alone is longer than the context
+    assert state(session) == before
+    fresh = chat.ChatSession(short_model, tok, thinking=False, max_new_tokens=3, temperature=0)
+    list(fresh.send("Hi"))
+    # the next short turn works, and answers as if the failed one had never been sent
+    assert list(session.send("Ok")) == list(fresh.send("Ok"))
+    assert session.messages == fresh.messages
+
+
+def test_an_abandoned_turn_leaves_the_history_and_a_prefix_of_the_cache(short_model, tok):
+    session = chat.ChatSession(short_model, tok, thinking=False, max_new_tokens=8, temperature=0)
+    list(session.send("Hi"))
+    messages, cached = [dict(m) for m in session.messages], list(session.cached)
+    stream = session.send("Tell me more")
+    next(stream)  # the reply has begun: the cache holds the new prompt and a token
+    assert len(session.cached) > len(cached)
+    stream.close()  # the reader leaves (a Ctrl-C in the terminal, a closed notebook output)
+    assert session.messages == messages and len(session.turns) == 1
+    assert session.cached == cached[: len(session.cached)]
+    assert session.cache.length == len(session.cached)
+    fresh = chat.ChatSession(short_model, tok, thinking=False, max_new_tokens=8, temperature=0)
+    list(fresh.send("Hi"))
+    assert list(session.send("Ok")) == list(fresh.send("Ok"))
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, "8", None])
+def test_max_new_tokens_of_a_session_is_checked(short_model, tok, bad):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        chat.ChatSession(short_model, tok, max_new_tokens=bad)
+
+
 # --- the budget's forced tokens are never cut --------------------------------------------------
 
 THINK, END, EOS, FORCED = 1, 2, 0, [90, 91, 2, 92]  # the forced tokens hold </think> (2)

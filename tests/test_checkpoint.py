@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -55,17 +56,31 @@ def test_expected_shapes_are_what_transformers_writes(tmp_path, model_type, tied
     assert expected_shapes(cfg) == saved
 
 
-def test_stored_head_of_tied_checkpoint_is_ignored(tmp_path):
-    # the real Qwen3-0.6B file stores lm_head.weight although the head is tied
-    hf = write_checkpoint(tmp_path, "qwen3", tied=True)
+@pytest.mark.parametrize("head", ["copy of the embedding", "different"])
+def test_stored_head_of_tied_checkpoint_as_transformers_reads_it(tmp_path, head):
+    """The real Qwen3-0.6B file stores lm_head.weight although the head is tied: a copy of the
+    embedding keeps the head tied; a different head is used untied, as transformers does (it
+    warns and does not tie), with a notice."""
+    from transformers import AutoModelForCausalLM
+
+    write_checkpoint(tmp_path, "qwen3", tied=True)
     tensors = read_all(tmp_path / "model.safetensors")
     assert "lm_head.weight" not in tensors
-    tensors["lm_head.weight"] = torch.randn_like(tensors["model.embed_tokens.weight"])
+    embed = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = embed.clone() if head != "different" else torch.randn_like(embed)
     save_file(tensors, tmp_path / "model.safetensors")
-    ours = load_checkpoint(tmp_path)
-    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = load_checkpoint(tmp_path)
+    tied = head != "different"
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
+    notices = [w for w in caught if "differs from the embedding" in str(w.message)]
+    assert len(notices) == (0 if tied else 1)
     with torch.no_grad():
-        torch.testing.assert_close(ours(IDS), hf_logits(hf, IDS), atol=1e-4, rtol=0)
+        want = hf_logits(reference, IDS)
+        assert want.std() > 0.5
+        torch.testing.assert_close(ours(IDS), want, atol=1e-4, rtol=0)
 
 
 def test_dtype_kept_or_converted(tmp_path):

@@ -1,8 +1,14 @@
 """The `qwen-mini` command, called through `main(argv)`; everything runs on the stand-ins."""
 
+import io
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 import types
+from pathlib import Path
 
 import pytest
 
@@ -129,6 +135,87 @@ def test_download_failure_is_a_readable_error(monkeypatch, tmp_path, capsys):
     assert main(["download", STANDIN]) == 1
     err = capsys.readouterr().err
     assert "qwen-mini: error:" in err and "online" in err and "Traceback" not in err
+
+
+# --- misuse: a clear message and an exit code, never a traceback --------------------------------
+
+
+def assert_readable(err: str, *words: str) -> None:
+    assert err.startswith("qwen-mini"), err
+    assert "Traceback" not in err
+    for word in words:
+        assert word in err, err
+
+
+def test_chat_refuses_negative_max_new_tokens(capsys):
+    assert main(["chat", STANDIN, "--max-new-tokens", "-1"]) == 2
+    assert_readable(capsys.readouterr().err, "--max-new-tokens")
+
+
+def test_generate_from_a_closed_stdin(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", None)
+    assert main(["generate", STANDIN, "-"]) == 1
+    assert_readable(capsys.readouterr().err, "stdin is closed")
+
+
+def test_generate_from_stdin_that_is_not_utf8(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9"), encoding="utf-8"))
+    assert main(["generate", STANDIN, "-"]) == 1
+    assert_readable(capsys.readouterr().err, "stdin is not valid utf-8", "iconv")
+
+
+def test_argument_that_is_not_valid_text(capsys):
+    # how Python hands over argv bytes that are not valid in the locale's encoding
+    prompt = b"caf\xe9".decode("utf-8", "surrogateescape")
+    assert main(["generate", STANDIN, prompt]) == 1
+    assert_readable(capsys.readouterr().err, "not valid text")
+
+
+def test_output_under_a_latin1_locale_is_replaced_not_a_crash(monkeypatch):
+    out = io.TextIOWrapper(io.BytesIO(), encoding="latin-1")
+    monkeypatch.setattr(sys, "stdout", out)
+    rc = main(["generate", STANDIN, "你好", "--max-new-tokens", "12", "--temperature", "0"])
+    out.flush()
+    assert rc == 0
+
+
+def test_grade_out_under_a_regular_file(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    notebook = Path(__file__).parent.parent / "course" / "ch00_foundations.ipynb"
+    argv = ["grade", "--chapter", "0", "--out", str(blocker / "grades.csv"), str(notebook)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("qwen-mini grade: error:") and "Traceback" not in err
+    assert str(blocker) in err
+
+
+def test_doctor_scan_names_the_tensor_that_holds_nan(capsys, tmp_path):
+    from helpers import write_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    write_checkpoint(tmp_path, "qwen3")
+    assert main(["doctor", "--scan", str(tmp_path)]) == 0
+    assert "OK: every weight is finite" in capsys.readouterr().out
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][3, :5] = float("nan")
+    save_file(tensors, tmp_path / "model.safetensors")
+    assert main(["doctor", "--scan", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "model.layers.1.mlp.up_proj.weight: 5 of 2,048 values are NaN or infinite" in out
+
+
+def test_ctrl_c_while_starting_is_no_traceback():
+    """The package imports torch only when a command needs it, inside the handler of Ctrl-C."""
+    script = Path(sys.executable).parent / "qwen-mini"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "QWEN_MINI_WEIGHTS": ""}
+    started = subprocess.Popen([script, "generate", STANDIN, "Hi"], env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    time.sleep(1.0)  # inside `import torch` or the stand-in's start
+    started.send_signal(signal.SIGINT)
+    out, err = started.communicate(timeout=60)
+    assert started.returncode == 130, err
+    assert "Traceback" not in err
 
 
 # --- help, devices, the stand-in's defaults ------------------------------------------------------

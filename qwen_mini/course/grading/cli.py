@@ -99,6 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     except (GraderError, NotebookError) as e:
         print(f"qwen-mini grade: error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # e.g. --out under a regular file, a full disk, no permission
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"qwen-mini grade: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
 
 
 def _say(text: str) -> None:

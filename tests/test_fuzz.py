@@ -1,0 +1,835 @@
+"""A corpus of bad input, generated systematically from checkpoints transformers writes.
+
+Every case edits a copy of a tiny Qwen3, sharded Qwen2, Qwen3-MoE, Qwen3.5 or bf16 checkpoint (a
+config field, a safetensors header, an index, a tensor's dtype or values, a generation config, a
+tokenizer file) or misuses the runtime (sampling settings, ids, text, chat messages). Each must
+end in one of two ways:
+
+- a clear error: qwen_mini's own exception (never a raw json / safetensors / tokenizers one),
+  whose message names the file and the field or tensor at fault;
+- a correct load: logits equal to transformers' on the same folder (atol 1e-4, as the oracle).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import struct
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import HF_CLASSES, hf_logits, tiny_model, write_checkpoint
+from safetensors.torch import load_file, save_file
+
+from qwen_mini import chat, load_tokenizer
+from qwen_mini.checkpoint import INDEX_FILE, SINGLE_FILE, load_checkpoint, scan_nonfinite
+from qwen_mini.generation import NonFiniteLogitsError, generate_tokens
+from qwen_mini.tokenizer import VENDORED_QWEN3
+
+IDS = torch.tensor([[3, 17, 99, 42, 5, 64, 120, 7]])
+DELETE = object()  # as a field value: remove the field
+BASES = {  # name -> how write_checkpoint writes it
+    "qwen3": dict(model_type="qwen3", tied=True),
+    "qwen2-sharded": dict(model_type="qwen2", tied=False, max_shard_size="20KB"),
+    "qwen3_moe": dict(model_type="qwen3_moe", tied=False),
+    "qwen3_5": dict(model_type="qwen3_5", tied=True),
+    "qwen3-bf16": dict(model_type="qwen3", tied=False, dtype=torch.bfloat16),
+}
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory) -> dict[str, Path]:
+    """Each base checkpoint written once; cases edit copies of it."""
+    root = tmp_path_factory.mktemp("bases")
+    for name, spec in BASES.items():
+        write_checkpoint(root / name, **spec)
+    shutil.copytree(VENDORED_QWEN3, root / "tokenizer", ignore=shutil.ignore_patterns("*.md"))
+    return {name: root / name for name in [*BASES, "tokenizer"]}
+
+
+def copy(base: Path, folder: Path) -> Path:
+    """A copy whose files are links to the base's: every edit below replaces a file, never
+    writes into one, so the base stays intact."""
+    folder.mkdir()
+    for f in base.iterdir():
+        (folder / f.name).symlink_to(f)
+    return folder
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    path.unlink(missing_ok=True)
+    path.write_bytes(data)
+
+
+def is_ours(error: BaseException) -> bool:
+    """Raised by qwen_mini itself, as one of the exception kinds a learner is promised."""
+    return type(error).__module__.startswith("qwen_mini") or (
+        type(error) in (ValueError, TypeError)
+        and error.__traceback__ is not None
+        and _raised_in_qwen_mini(error)
+    )
+
+
+def _raised_in_qwen_mini(error: BaseException) -> bool:
+    tb = error.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return "qwen_mini" in tb.tb_frame.f_code.co_filename
+
+
+def assert_clear_error(error: BaseException, words: list[str]) -> None:
+    message = str(error)
+    assert is_ours(error), f"{type(error).__module__}.{type(error).__name__}: {message}"
+    assert isinstance(error, (ValueError, TypeError, RuntimeError)), type(error)
+    missing = [w for w in words if w not in message]
+    assert not missing, f"{missing} not in: {message}"
+
+
+# --- the cases: (base, an edit of the folder, the words the error must hold or None: loads) ------
+
+
+@dataclass
+class Case:
+    base: str
+    edit: object  # folder -> None
+    words: list[str] | None  # None: the folder loads and matches transformers
+    id: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def text_part(cfg: dict, base: str) -> dict:
+    return cfg["text_config"] if base == "qwen3_5" else cfg
+
+
+def set_fields(base: str, **fields):
+    """An edit that sets (or with DELETE removes) config.json fields of the text model; the
+    name `rope_theta` means rope_parameters.rope_theta where the config keeps it there."""
+
+    def edit(folder: Path):
+        cfg = json.loads((folder / "config.json").read_text())
+        for name, value in fields.items():
+            top = name == "tie_word_embeddings"
+            part = cfg if top else text_part(cfg, base)
+            if name == "rope_theta" and "rope_parameters" in part:
+                part = part["rope_parameters"]
+            if value is DELETE:
+                part.pop(name, None)
+            else:
+                part[name] = value
+        replace_file(folder / "config.json", json.dumps(cfg).encode())
+
+    return edit
+
+
+def config_cases() -> list[Case]:
+    cases = []
+    sizes = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "max_position_embeddings"]  # fmt: skip
+    bad_sizes = [None, -1, 0, "8", 2.5, True, [2], {"n": 2}, 2**40, DELETE]
+    bad_floats = [0, -1.0, math.nan, math.inf, -math.inf, "1e6", None, True, [1]]
+    for base in BASES:
+        for name in [*sizes, "num_key_value_heads"]:
+            for value in bad_sizes:
+                if value == 0 and name == "num_hidden_layers":
+                    continue  # no layers is a model (the course builds one); see below
+                if name == "num_key_value_heads" and value is DELETE:
+                    continue  # a default (num_attention_heads): the shapes then disagree
+                cases.append(
+                    Case(
+                        base,
+                        set_fields(base, **{name: value}),
+                        ["config.json", name],
+                        f"{base}-{name}={value!r}",
+                    )
+                )
+        for value in bad_floats:
+            cases.append(
+                Case(
+                    base,
+                    set_fields(base, rope_theta=value),
+                    ["rope_theta"],
+                    f"{base}-rope_theta={value!r}",
+                )
+            )
+        for value in [-1e-6, math.nan, math.inf, "1e-6", None, False]:
+            cases.append(
+                Case(
+                    base,
+                    set_fields(base, rms_norm_eps=value),
+                    ["rms_norm_eps"],
+                    f"{base}-rms_norm_eps={value!r}",
+                )
+            )
+        for value in [0, 1.5, -0.5, math.nan, "0.5", None]:
+            cases.append(
+                Case(
+                    base,
+                    set_fields(base, partial_rotary_factor=value),
+                    ["partial_rotary_factor"],
+                    f"{base}-partial_rotary={value!r}",
+                )
+            )
+        for name, values in [("tie_word_embeddings", ["false", "true", 0, 1, None]),
+                             ("attention_bias", ["false", 1, None]),
+                             ("use_sliding_window", ["false", 1])]:  # fmt: skip
+            for value in values:
+                cases.append(
+                    Case(
+                        base, set_fields(base, **{name: value}), [name], f"{base}-{name}={value!r}"
+                    )
+                )
+        for value in ["gelu", "relu", "gelu_pytorch_tanh", "SiLU", None]:
+            cases.append(
+                Case(
+                    base,
+                    set_fields(base, hidden_act=value),
+                    ["hidden_act"],
+                    f"{base}-hidden_act={value!r}",
+                )
+            )
+        for value in ["int8", "float8", 5, "fp16"]:
+            cases.append(
+                Case(base, set_fields(base, dtype=value), ["dtype"], f"{base}-dtype={value!r}")
+            )
+        for value in ["x", -1, [1, "a"], 2.5]:
+            cases.append(
+                Case(
+                    base,
+                    set_fields(base, eos_token_id=value),
+                    ["eos_token_id"],
+                    f"{base}-eos={value!r}",
+                )
+            )
+        rope = "rope_parameters" if base == "qwen3_5" else "rope_scaling"
+        # implemented (qwen_mini.rope_scaling): these load, and match transformers
+        scalings = [{"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+                    {"rope_type": "linear", "factor": 2.0}]  # fmt: skip
+        for value in scalings:
+            cases.append(
+                Case(base, set_fields(base, **{rope: value}), None, f"{base}-{rope}={value!r}")
+            )
+        refused = [{"rope_type": "dynamic", "factor": 2.0}, {"rope_type": "llama3", "factor": 8.0},
+                   {"rope_type": "linear"}, {"rope_type": "yarn", "factor": float("nan")},
+                   {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": -4},
+                   "yarn", [1]]  # fmt: skip
+        for value in refused:
+            cases.append(
+                Case(base, set_fields(base, **{rope: value}), [rope], f"{base}-{rope}={value!r}")
+            )
+        # head counts that cannot share out: 4 query heads over 3 or 8 key/value heads
+        for name, value in [("num_key_value_heads", 3), ("num_key_value_heads", 8),
+                            ("num_attention_heads", 3)]:  # fmt: skip
+            cases.append(
+                Case(
+                    base,
+                    set_fields(base, **{name: value}),
+                    [name],
+                    f"{base}-{name}={value}-does-not-divide",
+                )
+            )
+        # resource limits: refused from the config alone, before anything is built
+        # no layers: a model (the course builds one), but not the one these weights are
+        no_layers = set_fields(base, num_hidden_layers=0, layer_types=DELETE)
+        cases.append(Case(base, no_layers, ["num_hidden_layers = 0"], f"{base}-no-layers"))
+        layers = dict(num_hidden_layers=100_000, layer_types=DELETE)
+        if base == "qwen3_5":  # its layer_types names each layer
+            layers["layer_types"] = (["linear_attention"] * 3 + ["full_attention"]) * 25_000
+        cases.append(
+            Case(
+                base,
+                set_fields(base, **layers),
+                ["num_hidden_layers = 100000", "parameters"],
+                f"{base}-100000-layers",
+            )
+        )
+        cases.append(
+            Case(base, set_fields(base, hidden_size=2**20), ["hidden_size"], f"{base}-huge-hidden")
+        )
+    return cases
+
+
+# (id, fields, refused by Qwen2/Qwen3, refused by Qwen3-MoE). Without layer_types transformers
+# derives it: Qwen2 and Qwen3 window the layers from max_window_layers on; Qwen3-MoE windows every
+# layer; a layer_types list decides for Qwen2 and Qwen3; a window as long as the context is none.
+WINDOW = dict(use_sliding_window=True, sliding_window=4, layer_types=DELETE)
+SLIDING_WINDOWS = [
+    ("from-0", dict(WINDOW, max_window_layers=0), True, True),
+    ("from-1", dict(WINDOW, max_window_layers=1), True, True),
+    ("past-last-layer", dict(WINDOW, max_window_layers=2), False, True),
+    ("longer-than-context", dict(WINDOW, sliding_window=1000, max_window_layers=0), False, False),
+    ("off", dict(WINDOW, use_sliding_window=False, max_window_layers=0), False, False),
+    ("layer_types-full", dict(WINDOW, max_window_layers=0, layer_types=["full_attention"] * 2),
+     False, True),
+]  # fmt: skip
+
+
+def sliding_window_cases() -> list[Case]:
+    """Refused exactly where transformers would window a layer; loaded where it would not."""
+    cases = []
+    for base in ("qwen3", "qwen2-sharded", "qwen3_moe"):
+        for kind, fields, dense, moe in SLIDING_WINDOWS:
+            refused = moe if base == "qwen3_moe" else dense
+            words = ["use_sliding_window", "sliding_window"] if refused else None
+            cases.append(Case(base, set_fields(base, **fields), words, f"{base}-window-{kind}"))
+    default = dict(WINDOW, sliding_window=DELETE, max_window_layers=0, max_position_embeddings=8192)
+    cases.append(
+        Case("qwen3", set_fields("qwen3", **default), ["use_sliding_window", "4096"],
+             "qwen3-window-default-4096")
+    )  # fmt: skip
+    return cases
+
+
+def without_weights(base: str, **fields):
+    """The config edited, and the weights gone: the message gives the size, quickly."""
+
+    def edit(folder: Path):
+        set_fields(base, **fields)(folder)
+        for f in folder.glob("model*.safetensors*"):
+            f.unlink()
+
+    return edit
+
+
+def moe_cases() -> list[Case]:
+    b = "qwen3_moe"
+    cases = [Case(b, set_fields(b, num_experts_per_tok=v), ["num_experts_per_tok"],
+                  f"moe-top_k={v!r}") for v in [0, DELETE, 5, -1, 2.5, None]]  # fmt: skip
+    cases += [Case(b, set_fields(b, decoder_sparse_step=v), ["decoder_sparse_step"],
+                   f"moe-sparse_step={v!r}") for v in [0, -1, None, "1"]]  # fmt: skip
+    cases += [Case(b, set_fields(b, moe_intermediate_size=v), ["moe_intermediate_size"],
+                   f"moe-width={v!r}") for v in [0, -16, None]]  # fmt: skip
+    cases += [Case(b, set_fields(b, mlp_only_layers=v), ["mlp_only_layers"],
+                   f"moe-mlp_only={v!r}") for v in ["0", [0.5], 3]]  # fmt: skip
+    cases.append(
+        Case(b, set_fields(b, num_experts=20_000), ["num_experts = 20000"], "moe-20000-experts")
+    )
+    cases.append(Case(b, set_fields(b, norm_topk_prob="true"), ["norm_topk_prob"], "moe-norm"))
+    for name, value in [("num_experts", 20_000), ("num_hidden_layers", 100_000)]:
+        edit = without_weights(b, **{name: value}, layer_types=DELETE)
+        words = ["no weights found", "at least", "parameters"]
+        cases.append(Case(b, edit, words, f"moe-{name}={value}-without-weights"))
+    return cases
+
+
+def qwen3_5_cases() -> list[Case]:
+    b = "qwen3_5"
+    cases = [Case(b, set_fields(b, layer_types=v), ["layer_types"], f"q35-layer_types={v!r}")
+             for v in [["linear_attention"] * 4, ["sliding_attention"] * 4, "full",
+                       ["full_attention"] * 3, [1, 2, 3, 4]]]  # fmt: skip
+    cases += [Case(b, set_fields(b, **{n: v}), [n], f"q35-{n}={v!r}")
+              for n in ("linear_num_key_heads", "linear_key_head_dim", "linear_conv_kernel_dim")
+              for v in (0, None, "2")]  # fmt: skip
+    cases.append(
+        Case(
+            b,
+            set_fields(b, linear_num_value_heads=3),
+            ["linear_num_value_heads"],
+            "q35-value-heads-not-a-multiple",
+        )
+    )
+
+    def text_config_list(folder):
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["text_config"] = [cfg["text_config"]]
+        replace_file(folder / "config.json", json.dumps(cfg).encode())
+
+    cases.append(Case(b, text_config_list, ["text_config"], "q35-text_config-list"))
+    return cases
+
+
+def whole_file_cases() -> list[Case]:
+    """config.json, the index and generation_config.json as files of the wrong kind."""
+    contents = {
+        "list": b"[1, 2]", "number": b"3", "string": b'"qwen3"', "null": b"null",
+        "deep": b"[" * 100_000 + b"]" * 100_000, "bom": b"\xef\xbb\xbf{}",
+        "utf16": '{"model_type": "qwen3"}'.encode("utf-16"), "truncated": b'{"model_type": ',
+        "empty": b"", "latin1": '{"model_type": "qwén3"}'.encode("latin-1"),
+    }  # fmt: skip
+    cases = []
+    for kind, data in contents.items():
+        for base, name in [("qwen3", "config.json"), ("qwen2-sharded", INDEX_FILE),
+                           ("qwen3", "generation_config.json")]:  # fmt: skip
+            cases.append(
+                Case(
+                    base, lambda f, n=name, d=data: replace_file(f / n, d), [name], f"{name}-{kind}"
+                )
+            )
+    index_maps = {
+        "no-weight_map": {"metadata": {}}, "weight_map-list": {"weight_map": []},
+        "shard-number": {"weight_map": {"lm_head.weight": 3}},
+        "shard-outside": {"weight_map": {"lm_head.weight": "../model.safetensors"}},
+        "shard-in-folder": {"weight_map": {"lm_head.weight": "sub/model.safetensors"}},
+    }  # fmt: skip
+    for kind, index in index_maps.items():
+        data = json.dumps(index).encode()
+        cases.append(
+            Case(
+                "qwen2-sharded",
+                lambda f, d=data: replace_file(f / INDEX_FILE, d),
+                [INDEX_FILE, "weight_map"],
+                f"index-{kind}",
+            )
+        )
+    return cases
+
+
+def generation_config_cases() -> list[Case]:
+    settings = {
+        "temperature": ["hot", math.nan, -1, math.inf], "top_k": [2.5, -1, "20", math.inf],
+        "top_p": [0, 1.5, math.nan, "x"], "min_p": [2, -0.1], "presence_penalty": [math.nan,
+        math.inf, "x"], "do_sample": ["yes", 1], "eos_token_id": ["x", -1, [1, 2.5]],
+    }  # fmt: skip
+    cases = []
+    for name, values in settings.items():
+        for value in values:
+            data = json.dumps({"do_sample": True, name: value}).encode()
+            edit = lambda f, d=data: replace_file(f / "generation_config.json", d)  # noqa: E731
+            cases.append(
+                Case(
+                    "qwen3",
+                    edit,
+                    ["generation_config.json", name],
+                    f"generation_config-{name}={value!r}",
+                )
+            )
+    return cases
+
+
+# --- safetensors headers ----------------------------------------------------------------------
+
+
+def header_of(path: Path) -> tuple[dict, bytes]:
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def write_raw(path: Path, header_bytes: bytes, body: bytes) -> None:
+    replace_file(path, struct.pack("<Q", len(header_bytes)) + header_bytes + body)
+
+
+def edit_header(file: str, change):
+    """An edit of one safetensors file's header: change(header) edits the dict in place."""
+
+    def edit(folder: Path):
+        path = folder / file if file != "first shard" else first_shard(folder)
+        header, body = header_of(path)
+        change(header)
+        write_raw(path, json.dumps(header).encode(), body)
+
+    return edit
+
+
+def first_shard(folder: Path) -> Path:
+    """The first shard that holds several tensors (the embedding alone fills one)."""
+    shards = list(json.loads((folder / INDEX_FILE).read_text())["weight_map"].values())
+    return folder / sorted(s for s in set(shards) if shards.count(s) > 2)[0]
+
+
+def in_data_order(header: dict) -> list[str]:
+    names = [k for k in header if k != "__metadata__"]
+    return sorted(names, key=lambda k: header[k]["data_offsets"])
+
+
+def header_cases() -> list[Case]:
+    def entry(which: int, key: str, value):
+        def change(h):
+            h[in_data_order(h)[which]][key] = value
+
+        return change
+
+    def shift(which: int, by: int):
+        def change(h):
+            lo, hi = h[in_data_order(h)[which]]["data_offsets"]
+            h[in_data_order(h)[which]]["data_offsets"] = [lo + by, hi + by]
+
+        return change
+
+    edits = {
+        "overlap": (shift(1, -4), 1), "gap": (shift(-1, 4), -1), "offsets-negative":
+        (entry(0, "data_offsets", [-4, 60]), 0), "offsets-float": (entry(1, "data_offsets",
+        [0.0, 8.0]), 1), "offsets-strings": (entry(0, "data_offsets", ["0", "8"]), 0),
+        "offsets-three": (entry(0, "data_offsets", [0, 4, 8]), 0), "offsets-reversed":
+        (entry(1, "data_offsets", [8, 0]), 1), "offsets-null": (entry(0, "data_offsets", None),
+        0),
+    }  # fmt: skip
+    for dtype in ["F33", "f32", "C64", "F4", "F8_E8M0", "F6_E2M3", 5, None, "int8"]:
+        edits[f"dtype-{dtype}"] = (entry(0, "dtype", dtype), 0)
+    for shape in [["64", "32"], [-64, 32], [64.0, 32], [[64], 32], "64x32", None, [64, 32, 0]]:
+        edits[f"shape-{shape}"] = (entry(1, "shape", shape), 1)
+
+    def not_a_dict(h):
+        h[in_data_order(h)[0]] = [1, 2]
+
+    def without(key):
+        def change(h):
+            del h[in_data_order(h)[1]][key]
+
+        return change
+
+    edits["entry-list"] = (not_a_dict, 0)
+    for key in ("dtype", "shape", "data_offsets"):
+        edits[f"entry-no-{key}"] = (without(key), 1)
+    cases = []
+    for base, file in [("qwen3", SINGLE_FILE), ("qwen2-sharded", "first shard"),
+                       ("qwen3_5", SINGLE_FILE)]:  # fmt: skip
+        for kind, (change, which) in edits.items():
+
+            def edit(folder, change=change, which=which, file=file):
+                path = folder / file if file != "first shard" else first_shard(folder)
+                header, _ = header_of(path)
+                tensor = in_data_order(header)[which]
+                edit_header(file, change)(folder)
+                (folder / "expected-tensor").write_text(tensor)
+
+            name = "model-" if file == "first shard" else SINGLE_FILE
+            cases.append(Case(base, edit, [name, "<tensor>"], f"{base}-header-{kind}"))
+        for meta in [{"format": 1}, ["pt"], "pt", {"a": None}]:
+            cases.append(
+                Case(
+                    base,
+                    edit_header(file, lambda h, m=meta: h.update(__metadata__=m)),
+                    ["__metadata__"],
+                    f"{base}-metadata-{meta!r}",
+                )
+            )
+        cases += raw_header_cases(base, file)
+    return cases
+
+
+def raw_header_cases(base: str, file: str) -> list[Case]:
+    """Headers broken below the JSON: encoding, duplicates, lengths."""
+
+    def raw(make):
+        def edit(folder):
+            path = folder / file if file != "first shard" else first_shard(folder)
+            data = path.read_bytes()
+            (n,) = struct.unpack("<Q", data[:8])
+            replace_file(path, make(data[8 : 8 + n], data[8 + n :], data))
+
+        return edit
+
+    def duplicate(h, body, data):  # the first tensor's entry written twice
+        entries = [(k, v) for k, v in json.loads(h).items() if k != "__metadata__"]
+        text = ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in [entries[0], *entries])
+        text = ("{" + text + "}").encode()
+        return struct.pack("<Q", len(text)) + text + body
+
+    makes = {
+        "bom": lambda h, body, d: struct.pack("<Q", len(h) + 3) + b"\xef\xbb\xbf" + h + body,
+        "utf16": lambda h, body, d: (lambda u: struct.pack("<Q", len(u)) + u + body)(
+            h.decode().encode("utf-16")
+        ),
+        "not-an-object": lambda h, body, d: struct.pack("<Q", 6) + b"[1, 2]" + body,
+        "length-too-large": lambda h, body, d: struct.pack("<Q", len(d)) + d[8:],
+        "length-2**63": lambda h, body, d: struct.pack("<Q", 2**63) + d[8:],
+        "length-zero": lambda h, body, d: struct.pack("<Q", 0) + d[8:],
+        "four-bytes": lambda h, body, d: d[:4],
+        "trailing-garbage": lambda h, body, d: struct.pack("<Q", len(h) + 3) + h + b"xyz" + body,
+        "truncated": lambda h, body, d: d[:-100],
+        "extra-bytes": lambda h, body, d: d + b"\0" * 16,
+        "duplicate-name": duplicate,
+    }  # fmt: skip
+    name = "model-" if file == "first shard" else SINGLE_FILE
+    return [Case(base, raw(make), [name], f"{base}-raw-{kind}") for kind, make in makes.items()]
+
+
+# --- tensors: dtypes, tied heads -------------------------------------------------------------
+
+
+def edit_tensors(change, file: str = SINGLE_FILE):
+    def edit(folder: Path):
+        path = folder / file
+        tensors = load_file(path)
+        change(tensors)
+        path.unlink()
+        save_file(tensors, path)
+
+    return edit
+
+
+UP = "model.layers.0.mlp.up_proj.weight"
+EMBED = "model.embed_tokens.weight"
+
+
+def tensor_cases() -> list[Case]:
+    cases = []
+    for dtype in [torch.int8, torch.int32, torch.int64, torch.bool, torch.uint8]:
+        for name in (UP, EMBED):
+            change = lambda t, n=name, d=dtype: t.update({n: t[n].to(d)})  # noqa: E731
+            cases.append(
+                Case("qwen3", edit_tensors(change), [SINGLE_FILE, name], f"tensor-{name}-{dtype}")
+            )
+    for dtype in [torch.float16, torch.bfloat16, torch.float64]:  # cast once, with a notice
+        change = lambda t, d=dtype: t.update({UP: t[UP].to(d)})  # noqa: E731
+        cases.append(Case("qwen3", edit_tensors(change), None, f"tensor-mixed-{dtype}"))
+    head = lambda t: t.update({"lm_head.weight": torch.randn_like(t[EMBED])})  # noqa: E731
+    cases.append(Case("qwen3", edit_tensors(head), None, "tied-with-a-different-stored-head"))
+    same = lambda t: t.update({"lm_head.weight": t[EMBED].clone()})  # noqa: E731
+    cases.append(Case("qwen3", edit_tensors(same), None, "tied-with-a-copy-of-the-embedding"))
+    cases.append(
+        Case(
+            "qwen2-sharded",
+            set_fields("qwen2-sharded", tie_word_embeddings=True),
+            None,
+            "untied-checkpoint-said-tied",
+        )
+    )
+    cases.append(Case("qwen3", set_fields("qwen3", rope_scaling=None), None, "rope_scaling-null"))
+    cases.append(
+        Case(
+            "qwen3",
+            set_fields("qwen3", rope_scaling={"rope_type": "default"}),
+            None,
+            "rope_scaling-default",
+        )
+    )
+    return cases
+
+
+LOAD_CASES = (
+    config_cases()
+    + sliding_window_cases()
+    + moe_cases()
+    + qwen3_5_cases()
+    + whole_file_cases()
+    + generation_config_cases()
+    + header_cases()
+    + tensor_cases()
+)
+
+
+def test_the_corpus_is_large_and_named_uniquely():
+    ids = [c.id for c in LOAD_CASES]
+    assert len(ids) == len(set(ids))
+    assert len(LOAD_CASES) >= 300
+
+
+@pytest.fixture
+def scratch(bases):
+    """An empty folder per case, beside the bases: cheaper than pytest's tmp_path a thousand
+    times over."""
+    folder = bases["qwen3"].parent / "case"
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("case", LOAD_CASES, ids=[c.id for c in LOAD_CASES])
+def test_loading(bases, scratch, case):
+    folder = copy(bases[case.base], scratch)
+    case.edit(folder)
+    if case.words is None:
+        return assert_loads_as_transformers(folder, BASES[case.base]["model_type"])
+    started = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a notice before the error is not what is tested
+        with pytest.raises(BaseException) as e:
+            load_checkpoint(folder)
+    tensor = folder / "expected-tensor"
+    words = [tensor.read_text() if w == "<tensor>" else w for w in case.words]
+    assert_clear_error(e.value, words)
+    assert time.perf_counter() - started < 1.0, "refused, but slowly"
+
+
+def assert_loads_as_transformers(folder: Path, model_type: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # both in float32 (a bf16 checkpoint is widened exactly), so 1e-4 is a fair bound
+        ours = load_checkpoint(folder, dtype=torch.float32)
+        reference = HF_CLASSES[model_type][1].from_pretrained(folder).float().eval()
+    want = hf_logits(reference, IDS)
+    with torch.no_grad():
+        got = ours(IDS).float()
+    assert want.std() > 0.5  # far from zero: a wrong model could not pass by accident
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+# --- non-finite weights: they load (as in transformers) but never become tokens --------------
+
+
+NONFINITE = [(base, name, value) for base in ("qwen3", "qwen3-bf16")
+             for name in (EMBED, "model.layers.0.mlp.down_proj.weight", "model.norm.weight")
+             for value in (math.nan, math.inf, -math.inf)]  # fmt: skip
+
+
+@pytest.mark.parametrize("base, name, value", NONFINITE)
+def test_non_finite_weights_stop_generation_and_are_found(bases, tmp_path, base, name, value):
+    folder = copy(bases[base], tmp_path / base)
+
+    def poison(tensors):
+        t = tensors[name].clone()
+        t.view(-1)[5 * t.shape[-1] if t.dim() > 1 else 0 :][:4] = value  # row 5: token 5
+        tensors[name] = t
+
+    edit_tensors(poison)(folder)
+    model = load_checkpoint(folder)
+    with pytest.raises(NonFiniteLogitsError) as e:
+        list(generate_tokens(model, [3, 5, 7], max_new_tokens=3, temperature=0))
+    assert_clear_error(e.value, ["doctor --scan", "NaN"])
+    assert [(p.name, n, bad) for p, n, bad, _ in scan_nonfinite(folder)] == [(SINGLE_FILE, name, 4)]
+
+
+def test_scan_of_a_clean_checkpoint_finds_nothing(bases):
+    assert scan_nonfinite(bases["qwen2-sharded"]) == []
+
+
+# --- tokenizer files ----------------------------------------------------------------------
+
+
+def tokenizer_cases() -> list[tuple[str, bytes]]:
+    return [
+        ("tokenizer.json", b"[]"), ("tokenizer.json", b"not json"), ("tokenizer.json", b""),
+        ("tokenizer.json", b'{"version": "1.0"}'), ("tokenizer.json", b"\xef\xbb\xbf{"),
+        ("tokenizer_config.json", b"[1]"), ("tokenizer_config.json", b"{"),
+        ("tokenizer_config.json", b"[" * 50_000), ("tokenizer_config.json", b"\xff\xfe"),
+        ("tokenizer_config.json", b'{"chat_template": 5}'),
+        ("tokenizer_config.json", b'{"chat_template": "{% if %}"}'),
+        ("tokenizer_config.json", b'{"chat_template": [{"template": "x"}]}'),
+        ("tokenizer_config.json", b'{"chat_template": [1]}'),
+        ("chat_template.jinja", b"{% for m in messages %}"), ("chat_template.jinja", b"\xff\xfe"),
+        ("chat_template.jinja", b"{{ 1 + }}"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("file, data", tokenizer_cases(), ids=lambda x: repr(x)[:30])
+def test_corrupt_tokenizer_file_is_named(bases, tmp_path, file, data):
+    folder = copy(bases["tokenizer"], tmp_path / "tok")
+    replace_file(folder / file, data)
+    with pytest.raises(BaseException) as e:
+        load_tokenizer(folder)
+    assert_clear_error(e.value, [file])
+
+
+# --- the runtime: settings, ids, text, messages -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen3")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(VENDORED_QWEN3)
+
+
+SETTINGS = [(name, value) for name, values in {
+    "temperature": [math.nan, math.inf, -math.inf, -1, "0.7", True],
+    "top_k": [math.nan, math.inf, 2.5, -1, "5"], "top_p": [math.nan, math.inf, 0, 1.5, "x"],
+    "min_p": [math.nan, 2, "x"], "presence_penalty": [math.nan, math.inf, -math.inf, "x"],
+    "max_new_tokens": [-1, 2.5, "3", None, True],
+}.items() for value in values]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, value", SETTINGS, ids=lambda x: repr(x))
+def test_bad_setting_is_named(model, name, value):
+    extra = {} if name == "temperature" else {"temperature": 0.7}
+    with pytest.raises(BaseException) as e:
+        generate_tokens(model, [1, 2, 3], **{**extra, name: value})
+    assert_clear_error(e.value, [name])
+
+
+@pytest.mark.parametrize("ids", [[1.5], [1000], [-1], ["a"], [True], [10**9], [None]], ids=repr)
+def test_bad_prompt_ids_are_refused(model, ids):
+    with pytest.raises(BaseException) as e:
+        generate_tokens(model, [1, *ids], max_new_tokens=1)
+    assert_clear_error(e.value, ["prompt ids"])
+
+
+@pytest.mark.parametrize(
+    "input_ids",
+    [torch.tensor([[1.0, 2.0]]), torch.tensor([[1000]]), torch.tensor([[-1]]),
+     torch.tensor([[True]]), torch.tensor([1, 2])],
+    ids=["float", "past-vocab", "negative", "bool", "1-d"],
+)  # fmt: skip
+def test_bad_input_ids_in_a_forward_are_refused(model, input_ids):
+    cache = model.new_cache()
+    with pytest.raises(BaseException) as e:
+        model(input_ids, cache=cache)
+    assert_clear_error(e.value, ["input_ids"])
+    assert cache.length == 0
+
+
+def test_padding_rows_decode_to_nothing_and_other_ids_are_refused(tok):
+    assert tok.decode([151935]) == ""  # the real model's last embedding row: padding
+    assert tok.decode(tok.encode("hi")) == "hi"
+
+
+@pytest.mark.parametrize("ids", [[10**9], [-1], [1.5], "abc", [None], [True], b"ab", None])
+def test_decode_refuses_what_is_no_id(tok, ids):
+    with pytest.raises(BaseException) as e:
+        tok.decode(ids)
+    assert_clear_error(e.value, ["decode"])
+
+
+@pytest.mark.parametrize("text", [b"x", None, 5, "a\ud800b", ["a"]], ids=repr)
+def test_encode_refuses_what_is_no_text(tok, text):
+    with pytest.raises(BaseException) as e:
+        tok.encode(text)
+    assert_clear_error(e.value, ["encode"])
+
+
+BAD_CONVERSATIONS = {
+    "no-content": ([{"role": "user"}], None, "content"),
+    "assistant-content-none": ([{"role": "user", "content": "hi"}, {"role": "assistant",
+                                "content": None, "tool_calls": [{"function": {"name": "f",
+                                "arguments": {}}}]}], None, "content"),
+    "content-number": ([{"role": "user", "content": 5}], None, "content"),
+    "content-bytes": ([{"role": "user", "content": b"hi"}], None, "content"),
+    "content-surrogate": ([{"role": "user", "content": "\ud800"}], None, "surrogate"),
+    "unknown-role": ([{"role": "bot", "content": "hi"}], None, "role"),
+    "no-role": ([{"content": "hi"}], None, "role"),
+    "message-list": ([["user", "hi"]], None, "message"),
+    "messages-string": ("hi", None, "messages"),
+    "messages-empty": ([], None, "messages"),
+    "tool_calls-string": ([{"role": "assistant", "content": "", "tool_calls": "f()"}], None,
+                          "tool_calls"),
+    "tool-name-number": ([{"role": "assistant", "content": "",
+                           "tool_calls": [{"function": {"name": 5, "arguments": {}}}]}], None,
+                         "tool call"),
+    "tool-arguments-number": ([{"role": "assistant", "content": "",
+                                "tool_calls": [{"function": {"name": "f", "arguments": 5}}]}],
+                              None, "tool call"),
+    "tool-call-string": ([{"role": "assistant", "content": "", "tool_calls": ["f"]}], None,
+                         "tool call"),
+    "tool_calls-on-user": ([{"role": "user", "content": "", "tool_calls": []}], None,
+                           "tool_calls"),
+    "tools-string": ([{"role": "user", "content": "hi"}], "search", "tools"),
+    "tools-list-of-strings": ([{"role": "user", "content": "hi"}], ["search"], "tools"),
+    "reasoning-number": ([{"role": "assistant", "content": "a", "reasoning_content": 3}], None,
+                         "reasoning_content"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "messages, tools, word", BAD_CONVERSATIONS.values(), ids=BAD_CONVERSATIONS.keys()
+)
+@pytest.mark.parametrize("renderer", ["tokenizer", "render_prompt"])
+def test_bad_conversation_is_refused(tok, renderer, messages, tools, word):
+    render = (
+        (lambda: tok.apply_chat_template(messages, tools=tools))
+        if renderer == "tokenizer"
+        else (lambda: chat.render_prompt(messages, tools=tools))
+    )
+    with pytest.raises(BaseException) as e:
+        render()
+    assert_clear_error(e.value, [word])
+
+
+def test_valid_conversations_still_render_as_the_official_template(tok):
+    """The checks refuse only what is invalid: tools, a tool call and its response render."""
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"function": {"name": "weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "sunny"},
+    ]  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+    text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+    assert '{"name": "weather", "arguments": {"city": "Oslo"}}' in text
+    assert text.endswith("<|im_start|>assistant\n")
