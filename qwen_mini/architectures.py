@@ -63,6 +63,9 @@ class Architecture:
     mixer_names: Mapping[str, str] = field(
         default_factory=lambda: {"full_attention": "self_attn", "linear_attention": "linear_attn"}
     )
+    # which layers transformers windows when config.json sets use_sliding_window (refused:
+    # qwen_mini has no sliding-window attention): "from_max_window_layers", "all" or "none"
+    sliding_window_layers: str = "from_max_window_layers"
     # config.json fields this model type defaults differently from Config's defaults
     config_defaults: Mapping[str, object] = field(default_factory=dict)
 
@@ -90,6 +93,7 @@ QWEN3_5_ROW = dict(
     family=QWEN3_5,
     qk_norm=True,
     config_defaults={"partial_rotary_factor": 0.25},  # as transformers' Qwen3_5TextConfig
+    sliding_window_layers="none",  # transformers' Qwen3.5 has no sliding window
 )
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -97,7 +101,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3": Architecture(mixers={"full_attention": Attention}, mlp=dense_mlp, qk_norm=True),
     # Qwen3 with a mixture of experts in the feed-forward of the layers config.json names
     "qwen3_moe": Architecture(
-        mixers={"full_attention": Attention}, mlp=qwen3_moe_mlp, qk_norm=True
+        mixers={"full_attention": Attention},
+        mlp=qwen3_moe_mlp,
+        qk_norm=True,
+        sliding_window_layers="all",  # transformers windows every layer of a Qwen3-MoE
     ),
     # Qwen3.5: 3 Gated DeltaNet layers to 1 gated attention layer, zero-centred norms. qwen3_5 is
     # the multimodal checkpoint (Qwen3_5ForConditionalGeneration), whose text model sits under

@@ -299,7 +299,7 @@ def _relation_problems(t: dict, arch) -> list[str]:
 
     if arch.mixers.get("linear_attention") is GatedDeltaNet:
         problems += _linear_attention_problems(t)
-    problems += _sliding_window_problems(t)
+    problems += _sliding_window_problems(t, arch)
     return problems
 
 
@@ -333,21 +333,22 @@ def _linear_attention_problems(t: dict) -> list[str]:
     return problems
 
 
-def _sliding_window_problems(t: dict) -> list[str]:
-    """Which layers transformers windows: with use_sliding_window true and a window (4096 when
-    the field is absent), Qwen3-MoE windows every layer; Qwen2 and Qwen3 the layers from
-    max_window_layers on (28 when absent), unless layer_types lists the layers itself (a
-    "sliding_attention" there is refused as an unknown layer type). A window as long as the
-    context changes nothing."""
+def _sliding_window_problems(t: dict, arch) -> list[str]:
+    """Which layers transformers windows, by the row's `sliding_window_layers`: with
+    use_sliding_window true and a window (4096 when the field is absent), "all" layers
+    (Qwen3-MoE), or those from max_window_layers on (28 when absent; Qwen2, Qwen3) unless
+    layer_types lists the layers itself (a "sliding_attention" there is refused as an unknown
+    layer type), or "none" (the type ignores the field). A window as long as the context changes
+    nothing."""
     window = t.get("sliding_window", 4096)
-    if not t.get("use_sliding_window") or window is None:
+    if not t.get("use_sliding_window") or window is None or arch.sliding_window_layers == "none":
         return []
-    if window >= t["max_position_embeddings"] or t.get("model_type", "").startswith("qwen3_5"):
+    if window >= t["max_position_embeddings"]:
         return []
-    moe = t.get("model_type") == "qwen3_moe"
-    if not moe and t.get("layer_types") is not None:  # the list decides; checked elsewhere
+    every = arch.sliding_window_layers == "all"
+    if not every and t.get("layer_types") is not None:  # the list decides; checked elsewhere
         return []
-    first = 0 if moe else t.get("max_window_layers", 28)
+    first = 0 if every else t.get("max_window_layers", 28)
     if first >= t["num_hidden_layers"]:
         return []
     return [
