@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 import torch
+from helpers import tiny_config
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import (
@@ -53,21 +54,21 @@ def stored_layout(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ..
     return out
 
 
-TINY_MOE = dict(
+# the tiny Qwen3-MoE of tests/helpers.py with a dense layer among the sparse ones: every second
+# layer sparse, the last one dense by mlp_only_layers, six experts
+TINY_MOE = tiny_config(
+    "qwen3_moe",
     vocab_size=64,
-    hidden_size=32,
     intermediate_size=48,
-    moe_intermediate_size=16,
     num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=8,
     num_experts=6,
-    num_experts_per_tok=2,
     decoder_sparse_step=2,
     mlp_only_layers=[3],
     tie_word_embeddings=False,
+    max_position_embeddings=64,
 )
+del TINY_MOE["model_type"]  # the transformers config class says it
 
 
 def test_stored_layout_is_what_transformers_writes(tmp_path):
@@ -78,7 +79,7 @@ def test_stored_layout_is_what_transformers_writes(tmp_path):
     assert "model.layers.1.mlp.experts.5.down_proj.weight" in written  # one by one
     assert stored_layout({k: tuple(v.shape) for k, v in hf.state_dict().items()}) == written
     # and the package expects exactly those tensors for that config
-    cfg = config_from_dict({"model_type": "qwen3_moe", **TINY_MOE, "max_position_embeddings": 64})
+    cfg = config_from_dict({"model_type": "qwen3_moe", **TINY_MOE})
     assert expected_shapes(cfg) == written
 
 
@@ -90,7 +91,7 @@ def test_sparse_layers_are_those_of_transformers(sparse_step, mlp_only, E):
     fields = dict(TINY_MOE, num_hidden_layers=6, num_experts=E, decoder_sparse_step=sparse_step)
     fields.update(mlp_only_layers=mlp_only, num_experts_per_tok=min(2, max(E, 1)))
     hf_cfg = Qwen3MoeConfig(**fields)
-    ours = config_from_dict({"model_type": "qwen3_moe", **fields, "max_position_embeddings": 64})
+    ours = config_from_dict({"model_type": "qwen3_moe", **fields})
     model = meta_model(ours)
     for i in range(6):
         hf_sparse = isinstance(Qwen3MoeDecoderLayer(hf_cfg, i).mlp, Qwen3MoeSparseMoeBlock)
