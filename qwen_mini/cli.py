@@ -33,8 +33,9 @@ ALWAYS_OFFLINE = ("Qwen/Qwen3-0.6B", "Qwen/Qwen3.5-0.8B")
 DESCRIPTION = (
     "Run Qwen checkpoints (Qwen3, Qwen3.5, Qwen2.5 and the Qwen3-MoE format) with qwen_mini, the "
     "package the qwen-mini course builds: generate text, chat, fetch the real weights, check the "
-    "installation, start a chapter's notebook over, grade submitted notebooks. Without real "
-    "weights on disk, a known model name runs on its stand-in (a tiny random model)."
+    "installation, start a chapter's notebook over, list which exercises are yours, grade "
+    "submitted notebooks. Without real weights on disk, a known model name runs on its "
+    "stand-in (a tiny random model)."
 )
 # The stand-in is random: it never closes its thinking, and what it writes is gibberish. Short
 # replies show the mechanics without minutes of noise; the budget leaves room for an answer.
