@@ -17,6 +17,7 @@ Generated text goes to stdout; notices (stand-in model, sampling settings) go to
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -32,13 +33,19 @@ ALWAYS_OFFLINE = ("Qwen/Qwen3-0.6B", "Qwen/Qwen3.5-0.8B")
 DESCRIPTION = (
     "Run Qwen checkpoints (Qwen3, Qwen3.5, Qwen2.5 and the Qwen3-MoE format) with qwen_mini, the "
     "package the qwen-mini course builds: generate text, chat, fetch the real weights, check the "
-    "installation, start a chapter's notebook over, grade submitted notebooks. Without real "
-    "weights on disk, a known model name runs on its stand-in (a tiny random model)."
+    "installation, start a chapter's notebook over, list which exercises are yours, grade "
+    "submitted notebooks. Without real weights on disk, a known model name runs on its "
+    "stand-in (a tiny random model)."
 )
 # The stand-in is random: it never closes its thinking, and what it writes is gibberish. Short
 # replies show the mechanics without minutes of noise; the budget leaves room for an answer.
 STANDIN_MAX_NEW_TOKENS, STANDIN_BUDGET = 48, 8
 DEVICE_HELP = "where the model runs: cpu (default), cuda, cuda:1, mps"
+MINE_HELP = (
+    "build the model from your own pieces (the exercises you passed in the notebooks), the "
+    "package's where yours is missing or not passing; prints whose each block is"
+)
+MINE_DIR_HELP = "with --mine or progress: the folder of your notebooks (default: this one)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="download the weights from the Hugging Face hub if not found locally",
     )
+    g.add_argument("--mine", action="store_true", help=MINE_HELP)
+    g.add_argument("--dir", type=Path, default=Path("."), help=MINE_DIR_HELP)
 
     d = sub.add_parser(
         "download",
@@ -130,6 +139,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path("."),
         help="the course's clone, holding course/ and solutions/ (default: this folder or the "
         "nearest one above it)",
+    )
+    p = sub.add_parser(
+        "progress",
+        help="which exercises are yours and which fall back to the package's",
+        description="For the notebooks in --dir, list per chapter the exercises whose code is "
+        "yours (kept when it passed its checks in the notebook, and passing again now) and "
+        "those for which the package's code stands in, with the reason.",
+    )
+    p.add_argument("--dir", type=Path, default=Path("."), help=MINE_DIR_HELP)
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print one JSON object: exercise id -> "learner" or "package"',
     )
     sub.add_parser(
         "grade", help="grade submitted notebooks (qwen-mini grade --help)", add_help=False
@@ -184,7 +206,7 @@ def run(argv: list[str]) -> int:
         return 2
     import_torch_whole()
     commands = {"generate": cmd_generate, "download": cmd_download, "doctor": cmd_doctor}
-    commands.update(chat=cmd_chat, reset=cmd_reset)
+    commands.update(chat=cmd_chat, reset=cmd_reset, progress=cmd_progress)
     return commands[args.command](args)
 
 
@@ -270,6 +292,37 @@ def cmd_reset(args) -> int:
     return 0
 
 
+# --- your own pieces --------------------------------------------------------------------------
+
+
+def cmd_progress(args) -> int:
+    from .course import mine
+
+    pieces = mine.load(args.dir)
+    if args.json:
+        print(json.dumps({x: p.whose for x, p in pieces.items()}, indent=1))
+    else:
+        print(f"your pieces for the notebooks in {mine.notebook_folder(args.dir)}:")
+        print(mine.progress(pieces))
+    return 0
+
+
+def your_architecture(args):
+    """With --mine, the row of MODEL's model_type built from your pieces (the table of whose
+    each block is goes to stderr); else None, the package's row."""
+    if not getattr(args, "mine", False):
+        return None
+    from .course import mine
+    from .hub import model_type_of
+
+    model_type = model_type_of(args.model)
+    pieces = mine.load(args.dir, only=list(mine.BLOCKS))
+    row, table = mine.architecture(model_type, pieces)
+    print(f"qwen-mini: {model_type} built from these blocks:", file=sys.stderr)
+    print(mine.format_table(table), file=sys.stderr)
+    return row
+
+
 # --- the stand-in -----------------------------------------------------------------------------
 
 
@@ -328,6 +381,8 @@ def add_chat_parser(sub) -> None:
     c.add_argument("--temperature", type=float, help="default: the mode's preset; 0 = greedy")
     c.add_argument("--seed", type=int, help="makes sampling reproducible")
     c.add_argument("--device", default="cpu", help=DEVICE_HELP)
+    c.add_argument("--mine", action="store_true", help=MINE_HELP)
+    c.add_argument("--dir", type=Path, default=Path("."), help=MINE_DIR_HELP)
 
 
 def cmd_chat(args) -> int:
@@ -337,7 +392,9 @@ def cmd_chat(args) -> int:
 
     if args.budget is not None and (args.budget < 0 or not args.think):
         raise ValueError("--budget N needs N >= 0 and thinking mode (not --no-think).")
-    model, tokenizer = load_model(args.model, device=args.device), load_tokenizer(args.model)
+    arch = your_architecture(args)
+    model = load_model(args.model, device=args.device, arch=arch)
+    tokenizer = load_tokenizer(args.model)
     fill_defaults(args, model, max_new_tokens=1024)
     session = ChatSession(
         model, tokenizer, thinking=args.think, budget=args.budget, system=args.system,
@@ -397,7 +454,8 @@ def cmd_generate(args) -> int:
     import torch
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    model = load_model(args.model, dtype, download=args.download, device=args.device)
+    arch = your_architecture(args)
+    model = load_model(args.model, dtype, download=args.download, device=args.device, arch=arch)
     fill_defaults(args, model, max_new_tokens=256)
     tokenizer = load_tokenizer(args.model)
     if args.chat:

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from .architectures import Architecture
+from .architectures import Architecture, config_from_file
 from .checkpoint import INDEX_FILE, SINGLE_FILE, checked_device, load_checkpoint
 from .model import CausalLM
-from .standin import load_standin
+from .standin import STANDINS, load_standin
 
 # the models this course is written for, with their model_type
 KNOWN_MODELS = {
@@ -228,6 +228,15 @@ def load_model(
     name = known_name(str(name_or_path))
     notice(standin_notice(name))
     return load_standin(name, dtype, arch, device)
+
+
+def model_type_of(name_or_path: str | Path) -> str:
+    """The model_type `load_model(name_or_path)` builds: its config.json's, or its stand-in's.
+    Never downloads."""
+    found = resolve(name_or_path)
+    if found.path is not None:
+        return config_from_file(found.path / "config.json").model_type
+    return STANDINS[known_name(str(name_or_path))]["config"]["model_type"]
 
 
 def describe(name_or_path: str | Path) -> str:

@@ -235,6 +235,7 @@ def check(exercise_id: str, obj) -> Result:
         print(f"? {e}")
         return Result(exercise_id, "unknown", 0, 0, str(e))
     print(result.line())
+    _remember(exercise_id, obj, result)
     if current == "solutions" and not result.ok:
         raise CheckError(f"{result.line()} (QWEN_MINI_CHECKS=solutions: the solution must pass)")
     if current == "course" and result.status != "not-implemented":
@@ -245,12 +246,24 @@ def check(exercise_id: str, obj) -> Result:
     return result
 
 
+def _remember(exercise_id: str, obj, result: Result) -> None:
+    """Keep a passing answer as the learner's piece for later chapters; set a kept one aside
+    when the learner's answer now fails (qwen_mini/course/mine.py)."""
+    from . import mine
+
+    if result.ok:
+        mine.keep(exercise_id, obj)
+    elif result.status == "failed":
+        mine.set_aside(exercise_id)
+
+
 def use(exercise_id: str, obj):
     """`obj` if it passes its public checks, else the package's reference; says which."""
     if obj is reference(exercise_id):  # an earlier use() already swapped the package's in
         print(f"→ using the package's {exercise_id}")
         return obj
     result = run_checks(exercise_id, obj)
+    _remember(exercise_id, obj, result)
     if result.ok:
         print(f"✓ using your {exercise_id} (it passes its checks)")
         return obj

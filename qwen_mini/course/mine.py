@@ -1,0 +1,424 @@
+"""Your own qwen_mini: every exercise that passes its public checks in your notebook is kept as
+your piece, and later chapters, `qwen-mini progress` and `--mine` build on your pieces.
+
+    from qwen_mini.course.mine import mine
+    Attention = mine("ch01.Attention")  # your kept one if it still passes, else the package's
+
+A piece is the definition that passed (the function or class, with the helpers of yours it
+calls and the imports it needs), written as a small module to a folder of your own:
+`~/.qwen-mini/mine/<notebook folder>-<hash>/ch01.Attention.py` (`QWEN_MINI_HOME` moves
+`~/.qwen-mini`). Each notebook folder has its own pieces, so two clones, or two students on one
+JupyterHub, never share them, and nothing is ever written to `course/`, `solutions/` or the
+package. A name the piece takes from another exercise (your Attention calling `repeat_kv`) is
+not copied: it is bound when the piece is loaded, to your piece where that passes, to the
+package's otherwise. A piece is used only while it passes its public checks again when loaded;
+one whose check fails in the notebook is set aside (`ch01.Attention.stopped.py`), never used.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import hashlib
+import json
+import linecache
+import math
+import os
+import pkgutil
+import symtable
+import sys
+import types
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from . import checking, checks
+
+PACKAGE_DIR = Path(checking.__file__).resolve().parents[1]  # the installed qwen_mini/
+
+
+class NotKept(ValueError):
+    """Why a passing exercise cannot be kept as a piece (said to the learner)."""
+
+
+# --- where pieces live ---------------------------------------------------------------------------
+
+
+def home() -> Path:
+    return Path(os.environ.get("QWEN_MINI_HOME") or Path.home() / ".qwen-mini").expanduser()
+
+
+def notebook_folder(start: Path | str = ".") -> Path:
+    """The folder holding the learner's notebooks: `start`, or its course/ in a clone's root."""
+    start = Path(start).expanduser().resolve()
+    if not any(start.glob("*.ipynb")) and any((start / "course").glob("*.ipynb")):
+        return start / "course"
+    return start
+
+
+def pieces_folder(notebooks: Path | str = ".") -> Path:
+    folder = notebook_folder(notebooks)
+    key = hashlib.sha256(str(folder).encode()).hexdigest()[:12]
+    return home() / "mine" / f"{folder.name}-{key}"
+
+
+# --- keeping a piece (in the learner's kernel, when a check passes) -------------------------------
+
+
+def all_exercises() -> list[checking.Exercise]:
+    """Every chapter's exercises, in chapter order."""
+    names = sorted(m.name for m in pkgutil.iter_modules(checks.__path__) if m.name[:2] == "ch")
+    return [e for name in names for e in checking.exercises(name)]
+
+
+def _exercise_objects() -> dict[int, str]:
+    """id(reference object) -> exercise id, for every exercise."""
+    return {id(e.reference): e.id for e in all_exercises() if e.reference is not None}
+
+
+def _own_function(obj) -> types.FunctionType | None:
+    """A function of `obj`'s own definition: itself, or one of a class's own methods."""
+    if isinstance(obj, types.FunctionType):
+        return obj
+    for value in vars(obj).values() if isinstance(obj, type) else ():
+        value = getattr(value, "__func__", getattr(value, "fget", value))
+        own = getattr(value, "__qualname__", "").startswith(obj.__qualname__ + ".")
+        if isinstance(value, types.FunctionType) and own:
+            return value
+    return None
+
+
+def _definition(obj) -> str:
+    """The source of `obj`'s top-level def or class statement, decorators included, from the
+    cell (or file) that defined it."""
+    fn = _own_function(obj)
+    if fn is None:
+        raise NotKept(f"a {type(obj).__name__} is kept only as the def or class that made it")
+    code = fn.__code__
+    file = str(Path(code.co_filename).resolve()) if Path(code.co_filename).is_file() else None
+    if file and Path(file).is_relative_to(PACKAGE_DIR):
+        raise NotKept("it is the package's code, not yours")
+    text = "".join(linecache.getlines(code.co_filename))
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        tree = None
+    for node in tree.body if tree else []:
+        ok = isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name == obj.__name__
+        if ok and node.lineno <= code.co_firstlineno <= node.end_lineno:
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            return "".join(text.splitlines(keepends=True)[start - 1 : node.end_lineno])
+    raise NotKept(f"the source of {obj.__name__} is not available (define it with def or class)")
+
+
+def _free_names(source: str) -> list[str]:
+    """Names `source` reads that it does not define itself, in order of first appearance."""
+    table = symtable.symtable(source, "<piece>", "exec")
+    local = {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()}
+    found: dict[str, None] = {}
+
+    def walk(t: symtable.SymbolTable, top: bool) -> None:
+        for s in t.get_symbols():
+            if s.is_referenced() and (s.is_global() or (top and not s.is_assigned())):
+                found[s.get_name()] = None
+        for child in t.get_children():
+            walk(child, False)
+
+    walk(table, True)
+    return [n for n in found if n not in local]
+
+
+def _is_builtin_like(value) -> bool:
+    module = getattr(value, "__module__", "") or ""
+    return module in ("builtins", "_io", "io") or module.startswith("IPython")
+
+
+def _import_line(name: str, value) -> str | None:
+    """How a module-level name can be imported again, or None."""
+    if isinstance(value, types.ModuleType):
+        module = value.__name__
+        if module == name:
+            return f"import {module}"
+        parent, _, leaf = module.rpartition(".")
+        return f"from {parent} import {leaf}" if leaf == name else f"import {module} as {name}"
+    module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
+    if module in (None, "__main__") or not isinstance(qualname, str) or "." in qualname:
+        return None
+    if getattr(sys.modules.get(module), qualname, None) is not value:
+        return None
+    return f"from {module} import {qualname}" + (f" as {name}" if qualname != name else "")
+
+
+def _literal(value) -> str | None:
+    """Python source for a constant (a number, string, dtype, tuple of them), or None."""
+    if type(value) is float and not math.isfinite(value):
+        return None
+    if type(value) in (bool, int, float, str, bytes, type(None)) or isinstance(value, torch.dtype):
+        return repr(value)  # a dtype's repr is torch.float32: the piece imports torch
+    if type(value) is tuple and all(_literal(v) is not None for v in value):
+        return "(" + "".join(_literal(v) + ", " for v in value) + ")"
+    return None
+
+
+def piece_source(exercise_id: str, obj) -> str:
+    """The module text that keeps `obj` as the learner's `exercise_id`: its definition, the
+    learner's helpers it calls (their definitions too), the imports it needs, and `__uses__`:
+    the names it takes from other exercises, bound when the piece is loaded."""
+    exercises = _exercise_objects()  # id(reference) -> exercise id
+    imports, helpers, uses, seen = ["import torch"], [], {}, {obj.__name__}
+    fn = _own_function(obj)
+    namespace = fn.__globals__ if fn else {}
+
+    def gather(value) -> str:
+        source = _definition(value)
+        for name in _free_names(source):
+            if name in seen:
+                continue
+            seen.add(name)
+            if name not in namespace:
+                continue  # a builtin, or never defined (it would raise NameError there too)
+            dep = namespace[name]
+            if hasattr(builtins, name) and _is_builtin_like(dep):
+                continue  # IPython puts its own open() in the namespace
+            other = exercises.get(id(dep)) or _passed_as(dep)
+            if other and other != exercise_id:
+                uses[name] = other  # another exercise: yours or the package's, when loaded
+            elif (line := _import_line(name, dep)) is not None:
+                imports.append(line)
+            elif isinstance(dep, types.FunctionType | type) and _own_function(dep) is not None:
+                helpers.append(gather(dep))
+            elif (text := _literal(dep)) is not None:
+                helpers.append(f"{name} = {text}\n")
+            else:
+                raise NotKept(
+                    f"it uses `{name}`, a {type(dep).__name__} made in another cell: define it "
+                    f"inside the exercise's cell, or pass it in as an argument"
+                )
+        return source
+
+    main = gather(obj)
+    when = f"{datetime.now():%Y-%m-%d %H:%M}"
+    lines = [
+        f"# Your {exercise_id}, kept when it passed its public checks ({when}). Written by\n"
+        "# qwen_mini.course.mine: the names in __uses__ are bound when it is loaded, to your\n"
+        "# pieces where they pass, to the package's otherwise.\n",
+        f"__piece__ = {json.dumps([exercise_id, obj.__name__])}\n",
+        f"__uses__ = {json.dumps(uses)}\n",
+        "".join(line + "\n" for line in dict.fromkeys(imports)),
+        *helpers,
+        main,
+    ]
+    return "\n".join(part for part in lines if part)
+
+
+# what passed in this kernel: (exercise id, object), so that a piece calling the learner's own
+# passing repeat_kv names the exercise instead of copying it
+_PASSED: list[tuple[str, object]] = []
+
+
+def _passed_as(obj) -> str | None:
+    return next((x for x, passed in reversed(_PASSED) if passed is obj), None)
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # classmates cannot read it
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _keeping() -> bool:
+    # CI modes, the grader and nbgrader's runs check notebooks that are not the learner's work
+    return checking.mode() == "learner" and not os.environ.get("NBGRADER_EXECUTION")
+
+
+def keep(exercise_id: str, obj) -> Path | None:
+    """Called by check()/use() when `obj` passes: keep it as the learner's piece. Says why, in
+    one line, when it cannot; never raises."""
+    if not _keeping() or obj is checking.reference(exercise_id):
+        return None
+    _PASSED.append((exercise_id, obj))
+    path = pieces_folder() / f"{exercise_id}.py"
+    try:
+        text = piece_source(exercise_id, obj)
+        _write(path, text)
+        (path.parent / "FOLDER").write_text(f"{notebook_folder()}\n", encoding="utf-8")
+        return path
+    except NotKept as e:
+        print(f"  (not kept as your {exercise_id} for later chapters: {e})")
+    except (OSError, SyntaxError, RecursionError) as e:
+        print(f"  (could not keep your {exercise_id} for later chapters: {e})")
+    return None
+
+
+def set_aside(exercise_id: str) -> None:
+    """Called when a check fails: a kept piece is no longer used (renamed, never deleted)."""
+    if not _keeping():
+        return
+    path = pieces_folder() / f"{exercise_id}.py"
+    if path.is_file():
+        os.replace(path, path.with_name(f"{exercise_id}.stopped.py"))
+        print(f"  (your kept {exercise_id} is set aside until this one passes)")
+
+
+# --- loading pieces ------------------------------------------------------------------------------
+
+
+@dataclass
+class Piece:
+    exercise: str
+    whose: str  # "learner" or "package"
+    obj: object
+    note: str = ""  # why the package's stands in
+
+
+def _load_one(path: Path, resolve) -> object:
+    """Execute a piece file with the names of its `__uses__` bound by `resolve(exercise_id)`."""
+    text = path.read_text(encoding="utf-8")
+    tree = ast.parse(text, str(path))
+    header = {
+        n.targets[0].id: ast.literal_eval(n.value)
+        for n in tree.body
+        if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
+        if n.targets[0].id in ("__piece__", "__uses__")
+    }
+    exercise_id, name = header["__piece__"]
+    namespace = {"__name__": f"qwen_mini_mine.{exercise_id}", "__file__": str(path)}
+    namespace.update({n: resolve(x) for n, x in header["__uses__"].items()})
+    exec(compile(tree, str(path), "exec"), namespace)
+    return namespace[name]
+
+
+def load(notebooks: Path | str = ".", only: list[str] | None = None) -> dict[str, Piece]:
+    """The pieces of the exercises `only` names (default: every exercise), and of those they
+    use: the learner's where it is kept, loads and passes its public checks again, the
+    package's otherwise, with the reason."""
+    folder = pieces_folder(notebooks)
+    pieces: dict[str, Piece] = {}
+
+    def resolve(exercise_id: str) -> object:
+        if exercise_id not in pieces:  # the package's while it loads: a cycle ends there
+            pieces[exercise_id] = Piece(exercise_id, "package", checking.reference(exercise_id))
+            pieces[exercise_id] = _piece(exercise_id)
+        return pieces[exercise_id].obj
+
+    def _piece(exercise_id: str) -> Piece:
+        path, ref = folder / f"{exercise_id}.py", checking.reference(exercise_id)
+        if not path.is_file():
+            stopped = path.with_name(f"{exercise_id}.stopped.py").is_file()
+            why = "yours stopped passing in the notebook" if stopped else "not passed yet"
+            return Piece(exercise_id, "package", ref, why)
+        try:
+            obj = _load_one(path, resolve)
+        except Exception as e:  # the learner's code: any error means "not usable"
+            return Piece(exercise_id, "package", ref, f"yours does not load: {e!r}")
+        with _quiet():
+            result = checking.run_checks(exercise_id, obj)
+        if not result.ok:
+            return Piece(exercise_id, "package", ref, f"yours no longer passes: {result.message}")
+        return Piece(exercise_id, "learner", obj)
+
+    for exercise_id in only if only is not None else [e.id for e in all_exercises()]:
+        resolve(exercise_id)
+    return pieces
+
+
+class _quiet:
+    """Checks print what the learner's code prints; a progress table should not."""
+
+    def __enter__(self):
+        self.saved, sys.stdout = sys.stdout, open(os.devnull, "w")
+
+    def __exit__(self, *exc):
+        sys.stdout.close()
+        sys.stdout = self.saved
+
+
+def mine(exercise_id: str, notebooks: Path | str = "."):
+    """Your kept `exercise_id` if it loads and passes, else the package's; says which. In CI's
+    modes (QWEN_MINI_CHECKS=solutions or course) always the package's."""
+    if not _keeping():
+        print(f"→ using the package's {exercise_id} (QWEN_MINI_CHECKS={checking.mode()})")
+        return checking.reference(exercise_id)
+    piece = load(notebooks, only=[exercise_id])[exercise_id]
+    if piece.whose == "learner":
+        print(f"✓ using your {exercise_id} (kept from your notebook; it passes its checks)")
+    else:
+        print(f"→ using the package's {exercise_id}: {piece.note}")
+    return piece.obj
+
+
+# --- a model from your pieces --------------------------------------------------------------------
+
+# the architecture row's blocks an exercise can fill; each replaces the package's block only in
+# rows built from that very block (a Qwen3.5 row keeps its zero-centred norm and gated attention)
+BLOCKS = {
+    "ch00.rms_norm": "norm",
+    "ch00.mlp": "mlp",
+    "ch01.Attention": "full_attention",
+    "ch01.DecoderLayer": "layer",
+    "ch01.model_forward": "forward",
+}
+
+
+def _dense_mlp(mlp_class):
+    def dense_mlp(cfg, layer_idx, arch):  # as architectures.dense_mlp, with your MLP
+        return mlp_class(cfg.hidden_size, cfg.intermediate_size)
+
+    return dense_mlp
+
+
+def architecture(model_type: str, pieces: dict[str, Piece]):
+    """The row of `model_type` with every block your pieces fill, and [(block, whose, note)]
+    saying whose each block is."""
+    from qwen_mini import architectures
+
+    row = architectures.ARCHITECTURES[model_type]
+    current = {
+        "norm": row.norm,
+        "mlp": row.mlp,
+        "full_attention": row.mixers.get("full_attention"),
+        "layer": row.layer,
+        "forward": row.forward,
+    }
+    package = dict(current, mlp=checking.reference("ch00.mlp"))
+    if row.mlp is not architectures.dense_mlp:
+        package["mlp"] = None  # experts, or another feed-forward: not chapter 0's MLP
+    blocks, table = {}, []
+    for exercise_id, slot in BLOCKS.items():
+        piece = pieces[exercise_id]
+        label = f"{slot} ({exercise_id})"
+        if package[slot] is not checking.reference(exercise_id):
+            table.append((label, "package", f"{model_type} has a {slot} of its own"))
+            continue
+        if piece.whose == "learner":
+            blocks[slot] = _dense_mlp(piece.obj) if slot == "mlp" else piece.obj
+        table.append((label, piece.whose, piece.note))
+    if "full_attention" in blocks:
+        blocks["mixers"] = {"full_attention": blocks.pop("full_attention")}
+    return row.with_blocks(**blocks), table
+
+
+def format_table(rows) -> str:
+    """One line per (what, whose, note)."""
+    width = max((len(r[0]) for r in rows), default=0)
+    mark = {"learner": "yours    ", "package": "package's"}
+    return "\n".join(
+        f"  {what:<{width}}  {mark[whose]}  {note}".rstrip() for what, whose, note in rows
+    )
+
+
+def progress(pieces: dict[str, Piece]) -> str:
+    """Per chapter, whose each exercise is."""
+    chapters: dict[str, list] = {}
+    for piece in pieces.values():
+        chapters.setdefault(piece.exercise.split(".")[0], []).append(piece)
+    lines = []
+    for chapter, group in chapters.items():
+        yours = sum(p.whose == "learner" for p in group)
+        lines.append(f"{chapter}: {yours} of {len(group)} exercises are yours")
+        rows = [(p.exercise, p.whose, p.note) for p in group]
+        lines.append(format_table(rows))
+    return "\n".join(lines)
