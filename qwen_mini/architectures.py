@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 from torch import nn
@@ -26,6 +27,7 @@ from .config import Config
 from .decoder import DecoderLayer, model_forward
 from .deltanet import GatedDeltaNet
 from .families import QWEN3, QWEN3_5, Family
+from .fused_deltanet import FusedGatedDeltaNet
 from .mlp import MLP
 from .moe import SharedExpertMoeBlock, qwen3_moe_mlp
 from .norms import RMSNorm, ZeroCentredRMSNorm
@@ -39,10 +41,13 @@ def dense_mlp(cfg: Config, layer_idx: int, arch: Architecture) -> nn.Module:
     return MLP(cfg.hidden_size, cfg.intermediate_size)
 
 
-def shared_expert_moe_mlp(cfg: Config, layer_idx: int, arch: Architecture) -> nn.Module:
+def shared_expert_moe_mlp(
+    cfg: Config, layer_idx: int, arch: Architecture, fused: bool = False
+) -> nn.Module:
     """Routed experts plus one gated shared expert (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE) in the
     sparse layers (num_experts, decoder_sparse_step, mlp_only_layers), the dense SwiGLU in the
-    others. The experts are stored one by one; the loader also reads the fused layout."""
+    others. The experts are held one by one, or `fused` in two 3-D tensors; the loader reads
+    either layout into either."""
     if not cfg.is_sparse_layer(layer_idx):
         return dense_mlp(cfg, layer_idx, arch)
     return SharedExpertMoeBlock(
@@ -52,7 +57,13 @@ def shared_expert_moe_mlp(cfg: Config, layer_idx: int, arch: Architecture) -> nn
         cfg.num_experts_per_tok,
         cfg.shared_expert_intermediate_size,
         cfg.norm_topk_prob,
+        fused,
     )
+
+
+# 512 experts in each of 48 to 60 layers: held fused, two parameters a layer rather than 1,536
+# modules, a meta model of a real config builds in a second rather than minutes
+fused_shared_expert_moe_mlp = partial(shared_expert_moe_mlp, fused=True)
 
 
 def token_embedding(cfg: Config, arch: Architecture) -> nn.Module:
@@ -123,7 +134,7 @@ QWEN3_5_ROW = dict(
 # its router always renormalised; the sizes transformers' Qwen3_5MoeTextConfig defaults to
 QWEN3_5_MOE_ROW = dict(
     QWEN3_5_ROW,
-    mlp=shared_expert_moe_mlp,
+    mlp=fused_shared_expert_moe_mlp,
     config_defaults={
         **QWEN3_5_ROW["config_defaults"],
         "intermediate_size": 0,
@@ -176,6 +187,27 @@ ARCHITECTURES: dict[str, Architecture] = {
         ignored_prefixes=("model.visual.", "mtp."),
     ),
     "qwen3_5_moe_text": Architecture(**QWEN3_5_MOE_ROW, ignored_prefixes=("mtp.",)),
+    # Qwen3-Next: the Qwen3.5 hybrid (gated attention, zero-centred norms, plain 1-D partial
+    # RoPE) before Qwen3.5: Gated DeltaNet with fused input projections, the shared-expert MoE
+    # in the sparse layers, Qwen3's tokenizer
+    "qwen3_next": Architecture(
+        **dict(
+            QWEN3_5_ROW,
+            mixers={"full_attention": GatedAttention, "linear_attention": FusedGatedDeltaNet},
+            mlp=fused_shared_expert_moe_mlp,
+            family=QWEN3,
+            # transformers' Qwen3NextConfig defaults (Qwen3-Next-80B-A3B's sizes)
+            config_defaults={
+                **QWEN3_5_ROW["config_defaults"],
+                **dict(norm_topk_prob=True, num_experts=512, num_experts_per_tok=10),
+                **dict(moe_intermediate_size=512, shared_expert_intermediate_size=512),
+                **dict(linear_num_key_heads=16, linear_num_value_heads=32),
+                **dict(linear_key_head_dim=128, linear_value_head_dim=128),
+                "linear_conv_kernel_dim": 4,
+            },
+        ),
+        ignored_prefixes=("mtp.",),
+    ),
 }
 
 
