@@ -82,7 +82,9 @@ class Architecture:
     embedding: Callable[[Config, Architecture], nn.Module] = token_embedding  # (cfg, arch)
     forward: Callable = model_forward  # the pass: embedding -> layers -> final norm -> head
     family: Family = QWEN3  # tokenizer, chat template and sampling presets
-    qkv_bias: bool = False  # a bias on q/k/v always, none on o_proj (Qwen2); else attention_bias
+    # True: a bias on q/k/v always, none on o_proj (Qwen2); "qkv_bias": the same, switched by
+    # config.json's qkv_bias (Qwen2-MoE); False: attention_bias decides
+    qkv_bias: bool | str = False
     qk_norm: bool = False  # a norm on each query and key head before RoPE
     checkpoint_prefix: str = "model."  # where the text model's tensors sit in the checkpoint
     ignored_prefixes: tuple[str, ...] = ()  # tensors a text model does not load (vision, ...)
@@ -104,8 +106,10 @@ class Architecture:
 
     def attention_biases(self, cfg: Config) -> tuple[bool, bool]:
         """(bias on q/k/v, bias on o_proj) of the attention layers."""
-        if self.qkv_bias:  # Qwen2's, whatever attention_bias says; qwen2_moe's qkv_bias field
-            return cfg.qkv_bias, False  # can turn it off (default on)
+        if self.qkv_bias == "qkv_bias":
+            return cfg.qkv_bias, False
+        if self.qkv_bias:
+            return True, False  # Qwen2's, whatever attention_bias says
         return cfg.attention_bias, cfg.attention_bias
 
     def with_blocks(self, **blocks) -> Architecture:
@@ -169,7 +173,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen2_moe": Architecture(
         mixers={"full_attention": Attention},
         mlp=shared_expert_moe_mlp,
-        qkv_bias=True,
+        qkv_bias="qkv_bias",
         sliding_window_layers="alternate_below_max_window_layers",
         # transformers' Qwen2MoeConfig defaults (Qwen1.5-MoE-A2.7B's sizes)
         config_defaults=dict(
