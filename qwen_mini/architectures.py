@@ -62,7 +62,9 @@ def shared_expert_moe_mlp(
 
 
 # 512 experts in each of 48 to 60 layers: held fused, two parameters a layer rather than 1,536
-# modules, a meta model of a real config builds in a second rather than minutes
+# modules, a meta model of a real config builds in a second rather than minutes. A checkpoint
+# that stores them one by one (the Qwen3-Next release, what transformers writes) is stacked into
+# them as it loads: a copy, where the fused Qwen3.5-MoE files are memory-mapped as they are
 fused_shared_expert_moe_mlp = partial(shared_expert_moe_mlp, fused=True)
 
 
@@ -142,7 +144,9 @@ QWEN3_5_MOE_ROW = dict(
     config_defaults={
         **QWEN3_5_ROW["config_defaults"],
         "intermediate_size": 0,
-        **dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512),
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
         "shared_expert_intermediate_size": 512,
     },
     fixed_fields={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
@@ -203,10 +207,15 @@ ARCHITECTURES: dict[str, Architecture] = {
             # transformers' Qwen3NextConfig defaults (Qwen3-Next-80B-A3B's sizes)
             config_defaults={
                 **QWEN3_5_ROW["config_defaults"],
-                **dict(norm_topk_prob=True, num_experts=512, num_experts_per_tok=10),
-                **dict(moe_intermediate_size=512, shared_expert_intermediate_size=512),
-                **dict(linear_num_key_heads=16, linear_num_value_heads=32),
-                **dict(linear_key_head_dim=128, linear_value_head_dim=128),
+                "norm_topk_prob": True,
+                "num_experts": 512,
+                "num_experts_per_tok": 10,
+                "moe_intermediate_size": 512,
+                "shared_expert_intermediate_size": 512,
+                "linear_num_key_heads": 16,
+                "linear_num_value_heads": 32,
+                "linear_key_head_dim": 128,
+                "linear_value_head_dim": 128,
                 "linear_conv_kernel_dim": 4,
             },
         ),

@@ -162,9 +162,9 @@ def test_files_are_the_two_layouts(layouts):
         assert (reread(ids).logits - hf(ids).logits).abs().max() <= 1e-5
 
 
-def test_model_holds_the_released_layout(layouts):
-    """qwen3_next and qwen3_5_moe hold their experts fused, as transformers does (its state
-    dict is the fused layout); qwen2_moe one by one, as its checkpoints are."""
+def test_model_holds_the_layout_of_transformers_state_dict(layouts):
+    """qwen3_next and qwen3_5_moe hold their experts fused, as transformers' modules do (the
+    layout of the Qwen3.5-MoE releases); qwen2_moe one by one, as its checkpoints store them."""
     model_type, hf, per_expert, _ = layouts
     cfg = config_from_file(per_expert / "config.json")
     ours = expected_shapes(cfg)
