@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 from torch import nn
@@ -26,8 +27,9 @@ from .config import Config
 from .decoder import DecoderLayer, model_forward
 from .deltanet import GatedDeltaNet
 from .families import QWEN3, QWEN3_5, Family
+from .fused_deltanet import FusedGatedDeltaNet
 from .mlp import MLP
-from .moe import qwen3_moe_mlp
+from .moe import SharedExpertMoeBlock, qwen3_moe_mlp
 from .norms import RMSNorm, ZeroCentredRMSNorm
 from .validation import check_config_json, read_json
 
@@ -37,6 +39,33 @@ Block = Callable[[Config, int, "Architecture"], nn.Module]  # built as block(cfg
 def dense_mlp(cfg: Config, layer_idx: int, arch: Architecture) -> nn.Module:
     """The SwiGLU feed-forward, the same in every layer."""
     return MLP(cfg.hidden_size, cfg.intermediate_size)
+
+
+def shared_expert_moe_mlp(
+    cfg: Config, layer_idx: int, arch: Architecture, fused: bool = False
+) -> nn.Module:
+    """Routed experts plus one gated shared expert (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE) in the
+    sparse layers (num_experts, decoder_sparse_step, mlp_only_layers), the dense SwiGLU in the
+    others. The experts are held one by one, or `fused` in two 3-D tensors; the loader reads
+    either layout into either."""
+    if not cfg.is_sparse_layer(layer_idx):
+        return dense_mlp(cfg, layer_idx, arch)
+    return SharedExpertMoeBlock(
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        cfg.num_experts,
+        cfg.num_experts_per_tok,
+        cfg.shared_expert_intermediate_size,
+        cfg.norm_topk_prob,
+        fused,
+    )
+
+
+# 512 experts in each of 48 to 60 layers: held fused, two parameters a layer rather than 1,536
+# modules, a meta model of a real config builds in a second rather than minutes. A checkpoint
+# that stores them one by one (the Qwen3-Next release, what transformers writes) is stacked into
+# them as it loads: a copy, where the fused Qwen3.5-MoE files are memory-mapped as they are
+fused_shared_expert_moe_mlp = partial(shared_expert_moe_mlp, fused=True)
 
 
 def token_embedding(cfg: Config, arch: Architecture) -> nn.Module:
@@ -55,7 +84,9 @@ class Architecture:
     embedding: Callable[[Config, Architecture], nn.Module] = token_embedding  # (cfg, arch)
     forward: Callable = model_forward  # the pass: embedding -> layers -> final norm -> head
     family: Family = QWEN3  # tokenizer, chat template and sampling presets
-    qkv_bias: bool = False  # a bias on q/k/v always, none on o_proj (Qwen2); else attention_bias
+    # True: a bias on q/k/v always, none on o_proj (Qwen2); "qkv_bias": the same, switched by
+    # config.json's qkv_bias (Qwen2-MoE); False: attention_bias decides
+    qkv_bias: bool | str = False
     qk_norm: bool = False  # a norm on each query and key head before RoPE
     checkpoint_prefix: str = "model."  # where the text model's tensors sit in the checkpoint
     ignored_prefixes: tuple[str, ...] = ()  # tensors a text model does not load (vision, ...)
@@ -64,13 +95,21 @@ class Architecture:
         default_factory=lambda: {"full_attention": "self_attn", "linear_attention": "linear_attn"}
     )
     # which layers transformers windows when config.json sets use_sliding_window (refused:
-    # qwen_mini has no sliding-window attention): "from_max_window_layers", "all" or "none"
+    # qwen_mini has no sliding-window attention): "from_max_window_layers", "all",
+    # "alternate_below_max_window_layers" or "none"
     sliding_window_layers: str = "from_max_window_layers"
     # config.json fields this model type defaults differently from Config's defaults
     config_defaults: Mapping[str, object] = field(default_factory=dict)
+    # config.json fields this model type does not read: the one value it builds with; a file
+    # that says otherwise is refused (transformers would ignore the field)
+    fixed_fields: Mapping[str, object] = field(default_factory=dict)
+    # config fields that must be set (> 0) whatever the layer types (experts in every layer)
+    required_fields: tuple[str, ...] = ()
 
     def attention_biases(self, cfg: Config) -> tuple[bool, bool]:
         """(bias on q/k/v, bias on o_proj) of the attention layers."""
+        if self.qkv_bias == "qkv_bias":
+            return cfg.qkv_bias, False
         if self.qkv_bias:
             return True, False  # Qwen2's, whatever attention_bias says
         return cfg.attention_bias, cfg.attention_bias
@@ -92,8 +131,26 @@ QWEN3_5_ROW = dict(
     norm=ZeroCentredRMSNorm,
     family=QWEN3_5,
     qk_norm=True,
-    config_defaults={"partial_rotary_factor": 0.25},  # as transformers' Qwen3_5TextConfig
+    # as transformers' Qwen3_5TextConfig: RoPE on a quarter of each head, layer_types (when the
+    # file has none) 3 linear : 1 full
+    config_defaults={"partial_rotary_factor": 0.25, "full_attention_interval": 4},
     sliding_window_layers="none",  # transformers' Qwen3.5 has no sliding window
+)
+# Qwen3.5-MoE: the shared-expert mixture of experts in every layer (so no intermediate_size),
+# its router always renormalised; the sizes transformers' Qwen3_5MoeTextConfig defaults to
+QWEN3_5_MOE_ROW = dict(
+    QWEN3_5_ROW,
+    mlp=fused_shared_expert_moe_mlp,
+    config_defaults={
+        **QWEN3_5_ROW["config_defaults"],
+        "intermediate_size": 0,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+    },
+    fixed_fields={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    required_fields=("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
 )
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -115,6 +172,55 @@ ARCHITECTURES: dict[str, Architecture] = {
         ignored_prefixes=("model.visual.", "mtp."),  # the vision tower, multi-token prediction
     ),
     "qwen3_5_text": Architecture(**QWEN3_5_ROW, ignored_prefixes=("mtp.",)),
+    # Qwen1.5-MoE / Qwen2-MoE: Qwen2 attention (q/k/v bias by its qkv_bias field), routed
+    # experts plus a gated shared expert, the router not renormalised unless norm_topk_prob
+    "qwen2_moe": Architecture(
+        mixers={"full_attention": Attention},
+        mlp=shared_expert_moe_mlp,
+        qkv_bias="qkv_bias",
+        sliding_window_layers="alternate_below_max_window_layers",
+        # transformers' Qwen2MoeConfig defaults (Qwen1.5-MoE-A2.7B's sizes)
+        config_defaults=dict(
+            norm_topk_prob=False,
+            num_experts=60,
+            num_experts_per_tok=4,
+            moe_intermediate_size=1408,
+            shared_expert_intermediate_size=5632,
+        ),
+    ),
+    # Qwen3.5-MoE, multimodal (under model.language_model.) and text-only, as qwen3_5 above
+    "qwen3_5_moe": Architecture(
+        **QWEN3_5_MOE_ROW,
+        checkpoint_prefix="model.language_model.",
+        ignored_prefixes=("model.visual.", "mtp."),
+    ),
+    "qwen3_5_moe_text": Architecture(**QWEN3_5_MOE_ROW, ignored_prefixes=("mtp.",)),
+    # Qwen3-Next: the Qwen3.5 hybrid (gated attention, zero-centred norms, plain 1-D partial
+    # RoPE) before Qwen3.5: Gated DeltaNet with fused input projections, the shared-expert MoE
+    # in the sparse layers, Qwen3's tokenizer
+    "qwen3_next": Architecture(
+        **dict(
+            QWEN3_5_ROW,
+            mixers={"full_attention": GatedAttention, "linear_attention": FusedGatedDeltaNet},
+            mlp=fused_shared_expert_moe_mlp,
+            family=QWEN3,
+            # transformers' Qwen3NextConfig defaults (Qwen3-Next-80B-A3B's sizes)
+            config_defaults={
+                **QWEN3_5_ROW["config_defaults"],
+                "norm_topk_prob": True,
+                "num_experts": 512,
+                "num_experts_per_tok": 10,
+                "moe_intermediate_size": 512,
+                "shared_expert_intermediate_size": 512,
+                "linear_num_key_heads": 16,
+                "linear_num_value_heads": 32,
+                "linear_key_head_dim": 128,
+                "linear_value_head_dim": 128,
+                "linear_conv_kernel_dim": 4,
+            },
+        ),
+        ignored_prefixes=("mtp.",),
+    ),
 }
 
 
@@ -138,6 +244,12 @@ def check_config(cfg: Config, arch: Architecture, source: str = "config.json") -
             f"layers) out of {', '.join(arch.mixers)} for a {cfg.model_type} model; it has "
             f"{len(cfg.layer_types)} entries" + (f" and {unknown}." if unknown else ".")
         )
+    unset = [name for name in arch.required_fields if not getattr(cfg, name)]
+    if unset:
+        raise ValueError(
+            f"{source}: a {cfg.model_type} model has a mixture of experts in every layer; it "
+            f"needs {', '.join(unset)}, which {'is' if len(unset) == 1 else 'are'} missing or 0."
+        )
     for layer_type in dict.fromkeys(cfg.layer_types):  # each block type once
         needed = getattr(arch.mixers[layer_type], "config_fields", ())
         unset = [name for name in needed if not getattr(cfg, name)]
@@ -155,7 +267,7 @@ def config_from_dict(
     with other blocks), checked against that row."""
     check_config_json(d, source)  # every bad value in one error, before anything is read
     arch = arch if arch is not None else architecture(d.get("model_type"), source)
-    cfg = Config.from_dict(d, source, arch.config_defaults)
+    cfg = Config.from_dict(d, source, {**arch.config_defaults, **arch.fixed_fields})
     check_config(cfg, arch, source)
     return cfg
 
