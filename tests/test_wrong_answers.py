@@ -5,10 +5,11 @@ each reference passes every case. Wrong answers that are not functions of an exe
 (whole notebooks, hostile objects) stay in test_wrong_answers_chNN.py."""
 
 import pytest
+import torch
 
 from qwen_mini.course import checking
 
-CHAPTERS = ["ch02"]  # chapters whose exercises are written as cases and mistakes
+CHAPTERS = ["ch02", "ch03", "ch04"]  # chapters whose exercises are written as cases and mistakes
 EXERCISES = [e for chapter in CHAPTERS for e in checking.exercises(chapter)]
 # (exercise id, mistake name, the wrong implementation, the idea): data for other tests too
 CATALOGUE = [
@@ -33,3 +34,13 @@ def test_reference_passes_every_case_and_has_mistakes(exercise):
     assert result.ok, result.line()
     assert exercise.hidden, f"{exercise.id} has no hidden case"
     assert exercise.mistakes, f"{exercise.id} catalogues no typical mistake"
+
+
+def test_softmax_in_bfloat16_really_differs():
+    """Chapter 3's float32 warning is not pedantry: weights from a bfloat16 softmax differ from
+    the float32 ones after the cast."""
+    wrong = checking.get("ch03.route").mistakes["route_softmax_in_bfloat16"].fn
+    logits = (torch.randn(64, 16, generator=torch.Generator().manual_seed(2)) * 2).bfloat16()
+    assert (
+        checking.reference("ch03.route")(logits, 4, True)[0] != wrong(logits, 4, True)[0]
+    ).sum() > 10

@@ -202,12 +202,12 @@ def _plain_call(impl, *arguments):
     return impl(*arguments)
 
 
-def mistake(exercise_id: str, idea: str):
+def mistake(exercise_id: str, idea: str, name: str | None = None):
     """Decorate a wrong implementation with the exercise's signature: the idea it gets wrong."""
 
     def decorator(fn: Callable) -> Callable:
-        name = fn.__name__
-        _entry(exercise_id).mistakes[name] = Mistake(exercise_id, name, fn, idea)
+        key = name or fn.__name__
+        _entry(exercise_id).mistakes[key] = Mistake(exercise_id, key, fn, idea)
         return fn
 
     return decorator
@@ -456,8 +456,20 @@ def expect_close(name: str, got, expected, atol: float = 1e-5, rtol: float = 1e-
         _expect_tensor(name, got, expected, atol, rtol)
     elif isinstance(expected, float) or (type(expected) is int and (atol or rtol)):
         _expect_number(name, got, expected, atol, rtol)
+    elif type(expected) is str and type(got) is str and got != expected:
+        raise AssertionError(f"{name}: {_text_difference(got, expected)}")
     elif not _same(got, expected):
         raise AssertionError(f"{name}: expected {_short(expected)}, got {_short(got)}")
+
+
+def _text_difference(got: str, expected: str) -> str:
+    i = next((k for k, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None)
+    i = min(len(got), len(expected)) if i is None else i
+    lo = max(0, i - 30)
+    return (
+        f"first difference at character {i}: expected …{expected[lo : i + 30]!r}…, "
+        f"got …{got[lo : i + 30]!r}…"
+    )
 
 
 def _plain(value) -> bool:
