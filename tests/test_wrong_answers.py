@@ -9,7 +9,7 @@ import torch
 
 from qwen_mini.course import checking
 
-CHAPTERS = ["ch02", "ch03", "ch04"]  # chapters whose exercises are written as cases and mistakes
+CHAPTERS = ["ch02", "ch03", "ch04", "ch05"]  # chapters whose exercises are written as cases and mistakes
 EXERCISES = [e for chapter in CHAPTERS for e in checking.exercises(chapter)]
 # (exercise id, mistake name, the wrong implementation, the idea): data for other tests too
 CATALOGUE = [
