@@ -85,6 +85,7 @@ class Mistake:
     name: str
     fn: Callable
     idea: str
+    public: bool = True  # False: a mistake the chapter does not warn about, caught when grading
 
 
 @dataclass(frozen=True)
@@ -202,12 +203,12 @@ def _plain_call(impl, *arguments):
     return impl(*arguments)
 
 
-def mistake(exercise_id: str, idea: str, name: str | None = None):
+def mistake(exercise_id: str, idea: str, name: str | None = None, public: bool = True):
     """Decorate a wrong implementation with the exercise's signature: the idea it gets wrong."""
 
     def decorator(fn: Callable) -> Callable:
         key = name or fn.__name__
-        _entry(exercise_id).mistakes[key] = Mistake(exercise_id, key, fn, idea)
+        _entry(exercise_id).mistakes[key] = Mistake(exercise_id, key, fn, idea, public)
         return fn
 
     return decorator
