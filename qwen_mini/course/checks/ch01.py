@@ -984,7 +984,7 @@ case(
     hidden=True,
 )
 case(
-    REGROUP, "other sizes", lambda g: (randn(between(g, 1, 4) * 4 * 3, 6, g=g), 3, 12), hidden=True
+    REGROUP, "other sizes", lambda g: (randn(2 ** between(g, 0, 3) * 3, 6, g=g), 3, 8), hidden=True
 )
 
 
