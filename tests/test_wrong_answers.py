@@ -53,3 +53,53 @@ def test_softmax_in_bfloat16_really_differs():
     assert (
         checking.reference("ch03.route")(logits, 4, True)[0] != wrong(logits, 4, True)[0]
     ).sum() > 10
+
+
+def _nan(value, seen: list):
+    """`value` with every floating-point tensor in it replaced by NaNs (noted in `seen`)."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        seen.append(True)
+        return torch.full_like(value, float("nan"))
+    if isinstance(value, tuple | list):
+        return type(value)(_nan(v, seen) for v in value)
+    if isinstance(value, dict):
+        return {k: _nan(v, seen) for k, v in value.items()}
+    return value
+
+
+def _nan_answer(reference, seen: list):
+    if isinstance(reference, type) and issubclass(reference, torch.nn.Module):
+        return type(
+            "NaNs",
+            (reference,),
+            {"forward": lambda s, *a, **k: _nan(super(type(s), s).forward(*a, **k), seen)},
+        )
+    return lambda *a, **k: _nan(reference(*a, **k), seen)
+
+
+# answers without floating-point numbers (text, ids, counts, masks, headers) or whose numbers are
+# an object's state (a cache, experts, a loaded model)
+NO_NUMBERS = {
+    "ch00.read_safetensors_header",
+    "ch00.count_params",
+    "ch01.causal_mask",
+    "ch01.KVCache",
+    "ch01.kv_bytes_per_token",
+    "ch01.load_weights",
+    "ch01.decode",
+    "ch02.distinct_weights",
+    "ch03.split_mlp",
+    *(e.id for e in checking.exercises("ch04")),
+}
+
+
+@pytest.mark.parametrize(
+    "exercise", [e for e in EXERCISES if e.id not in NO_NUMBERS], ids=lambda e: e.id
+)
+def test_nan_answers_never_pass(exercise):
+    """The reference's own answer with NaN in place of every number fails: no comparison lets
+    NaN through where the expected value is a number."""
+    seen: list = []
+    result = checking.run_checks(exercise.id, _nan_answer(exercise.reference, seen), hidden=True)
+    assert seen, f"{exercise.id}: no floating-point answer was replaced"
+    assert result.status == "failed", result.line()

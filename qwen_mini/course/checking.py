@@ -173,7 +173,7 @@ def _docline(fn: Callable) -> str:
 
 def public(exercise_id: str, name: str | None = None):
     """Decorate `def _(obj): ...`: a check the learner runs; it raises AssertionError to fail.
-    For what a case cannot say (a fixture chapter's checks written by hand)."""
+    For what is not yet a case (a stateful exercise diagnosed stage by stage by hand)."""
     return _check_function(exercise_id, "public", name)
 
 
