@@ -143,25 +143,23 @@ def _entry(exercise_id: str) -> Exercise:
 
 
 def register(exercise_id: str, reference=None, points: float = 1, title: str = "") -> None:
-    """Declare an exercise, the package object it reimplements and what it is worth."""
+    """Declare an exercise, the package object it reimplements and what it is worth; its cases
+    and mistakes follow (a chapter module imported again declares them afresh)."""
+    _EXERCISES[exercise_id] = Exercise(exercise_id, reference, points, title, registered=True)
+
+
+def _add(exercise_id: str, hidden: bool, label: str, fn: Callable) -> None:
     entry = _entry(exercise_id)
-    entry.reference, entry.points, entry.title, entry.registered = reference, points, title, True
-
-
-def _add(exercise_id: str, hidden: bool, label: str, fn: Callable, key: tuple) -> None:
-    checks = _entry(exercise_id).hidden if hidden else _entry(exercise_id).public
-    # re-importing a chapter module must not register its checks twice
-    checks[:] = [c for c in checks if getattr(c[1], "key", None) != key]
-    fn.key = key
-    checks.append((label, fn))
+    if label in {name for name, _ in entry.public + entry.hidden}:
+        raise ValueError(f"{exercise_id}: two checks named {label!r} (a message must say which)")
+    (entry.hidden if hidden else entry.public).append((label, fn))
 
 
 def _check_function(exercise_id: str, which: str, name: str | None):
     def decorator(fn: Callable) -> Callable:
         checks = getattr(_entry(exercise_id), which)
         label = name or _docline(fn) or f"{which} check {len(checks) + 1}"
-        key = (fn.__code__.co_filename, fn.__code__.co_firstlineno)
-        _add(exercise_id, which == "hidden", label, lambda obj: fn(obj), key)
+        _add(exercise_id, which == "hidden", label, lambda obj: fn(obj))
         return fn
 
     return decorator
@@ -196,7 +194,7 @@ def case(
     """Declare a case: `inputs(generator)` gives the arguments, `call(impl, *arguments)` what is
     compared (default `impl(*arguments)`) with the reference's, or with `expected(*arguments)`."""
     c = Case(exercise_id, name, inputs, call or _plain_call, expected, atol, rtol, seed, hidden)
-    _add(exercise_id, hidden, name, lambda obj: _run_case(c, obj), (name, hidden))
+    _add(exercise_id, hidden, name, lambda obj: _run_case(c, obj))
 
 
 def _plain_call(impl, *arguments):
@@ -208,7 +206,10 @@ def mistake(exercise_id: str, idea: str, name: str | None = None, public: bool =
 
     def decorator(fn: Callable) -> Callable:
         key = name or fn.__name__
-        _entry(exercise_id).mistakes[key] = Mistake(exercise_id, key, fn, idea, public)
+        mistakes = _entry(exercise_id).mistakes
+        if key in mistakes:
+            raise ValueError(f"{exercise_id}: two mistakes named {key!r}")
+        mistakes[key] = Mistake(exercise_id, key, fn, idea, public)
         return fn
 
     return decorator

@@ -251,10 +251,10 @@ case(
     seed=3,
     **tol,
 )
-for model_type in ("qwen3", "qwen3", "qwen2"):
+for n, model_type in enumerate(("qwen3", "qwen3", "qwen2")):
     case(
         "ch02.project_qk",
-        f"other {model_type} layers",
+        f"other {model_type} layers {n + 1}",
         _layer_hidden(model_type),
         _qk,
         hidden=True,
