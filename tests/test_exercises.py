@@ -1,6 +1,7 @@
 """check() / use() and the assertion helpers, on the test-only chapter 99 (tests/fixtures)."""
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -149,7 +150,88 @@ def test_expect_close_messages():
         ex.expect_close("y", None, torch.zeros(2))
     with pytest.raises(AssertionError, match="got nan"):
         ex.expect_close("y", torch.tensor([float("nan")]), torch.tensor([0.0]))
-    ex.expect_close("y", torch.tensor([1.0]).bfloat16(), torch.tensor([1.001]), atol=1e-2, rtol=0)
+    with pytest.raises(AssertionError, match="expected dtype torch.float32, got torch.bfloat16"):
+        ex.expect_close("y", torch.tensor([1.0]).bfloat16(), torch.tensor([1.0]))
+
+
+class Odd(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize(
+    "got, expected, words",
+    [
+        (float("nan"), 1.0, "got nan"),  # abs(nan - 1) > tol is False: NaN must not slip through
+        (float("inf"), 1.0, "got inf"),
+        (torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0]), "got nan"),
+        (torch.tensor(1.0), 1.0, "expected a Python number, got Tensor"),
+        (torch.ones(2).as_subclass(Odd), torch.ones(2), "expected a tensor, got Odd"),
+        (
+            (torch.ones(2),),
+            (torch.ones(2), torch.ones(2)),
+            "expected 2 values, got tuple of length 1",
+        ),
+        ({"a": torch.ones(1)}, {"a": torch.ones(1), "b": torch.ones(1)}, "the key 'b' is missing"),
+        ({"a": 1, "c": 2}, {"a": 1}, "unexpected key 'c'"),
+        ("3", 3, "expected a Python number, got str"),
+        (True, 1, "expected a Python number, got bool"),
+    ],
+)
+def test_the_one_comparison_refuses(got, expected, words):
+    with pytest.raises(AssertionError, match=re.escape(words)):
+        ex.expect_close("y", got, expected, atol=1e-3, rtol=0)
+
+
+def test_nan_matches_only_an_expected_nan():
+    nan = torch.tensor([1.0, float("nan")])
+    ex.expect_close("y", nan, nan.clone())
+    ex.expect_close("y", [1.0, (2, 3)], (1.0, [2, 3]))  # lists and tuples are the same answer
+    with pytest.raises(AssertionError, match=re.escape("n: expected 3, got 3.0")):
+        ex.expect_equal("n", 3.0, 3)  # a count is an int
+
+
+def _twice(x):
+    return 2 * x
+
+
+ex.register("ch97.twice", reference=_twice, title="Twice")
+ex.case("ch97.twice", "a vector", lambda g: (ex.randn(4, g=g),), atol=1e-6)
+ex.case(
+    "ch97.twice",
+    "hand-derived",
+    lambda g: (torch.ones(3),),
+    expected=lambda x: torch.full((3,), 2.0),
+)
+ex.case("ch97.twice", "other sizes", lambda g: (ex.randn(ex.between(g, 1, 9), g=g),), hidden=True)
+
+
+@ex.mistake("ch97.twice", "squared: twice means x + x")
+def _squared(x):
+    return x * x
+
+
+def test_a_case_names_the_mistake_the_answer_matches():
+    result = ex.run_checks("ch97.twice", _squared)
+    assert result.message == "a vector failed: squared: twice means x + x"
+    result = ex.run_checks("ch97.twice", lambda x: 3 * x)  # no catalogued mistake: the values
+    assert result.message.startswith("a vector failed: twice: expected ")
+    assert ex.run_checks("ch97.twice", lambda x: x + x, hidden=True).ok
+    assert [m.name for m in ex.catalogue("ch97")] == ["_squared"]
+
+
+def test_hidden_inputs_come_from_the_secret_public_ones_do_not():
+    seen = []
+
+    def spy(x):
+        seen.append(x.clone())
+        return 2 * x
+
+    ex.run_checks("ch97.twice", spy, hidden=True)
+    ex.new_secret()
+    ex.run_checks("ch97.twice", spy, hidden=True)
+    public_1, _, hidden_1, public_2, _, hidden_2 = seen
+    assert torch.equal(public_1, public_2)
+    assert not (hidden_1.shape == hidden_2.shape and torch.equal(hidden_1, hidden_2))
 
 
 def test_expect_equal_messages():

@@ -8,13 +8,25 @@ In a chapter notebook::
     Attention = use("ch01.Attention", Attention)  # yours if it passes, else the package's
 
 A chapter's checks live in `qwen_mini/course/checks/chNN.py`, imported the first time one of its
-exercise ids is used::
+exercise ids is used. An exercise is data: its cases and a catalogue of its typical mistakes::
 
     register("ch01.repeat_kv", reference=attention.repeat_kv, points=1, title="...")
 
-    @public("ch01.repeat_kv")      # shown to the learner; @hidden ones only run when grading
-    def _(repeat_kv):
-        expect_equal("shape", tuple(repeat_kv(k, 2).shape), (1, 4, 3, 8))
+    case("ch01.repeat_kv", "two copies of each head", lambda g: (randn(1, 2, 3, 8, g=g), 2))
+    case("ch01.repeat_kv", "other sizes", lambda g: (randn(2, 3, 5, 4, g=g), 3), hidden=True)
+
+    @mistake("ch01.repeat_kv", "the copies are tiled (h0 h1 h0 h1): repeat each head in place")
+    def _(x, n):
+        return x.repeat(1, n, 1, 1)
+
+A case draws its inputs from a generator (public cases: a fixed seed, so the learner sees the same
+message every run; hidden ones: seeded with a secret drawn once per process, see `new_secret`),
+calls the implementation on fresh copies of them (`call`, by default `impl(*inputs)`: a small
+function may build a module, fill a model, run a cache and return what to compare), and compares
+the result with the reference's, or with a hand-derived `expected(*inputs)`, through
+`expect_close`. When they differ, each catalogued mistake runs on the same inputs: the learner's
+result matching a mistake's names that mistake's idea. A case may return a dict of named stages
+(`{"after attention": ..., "output": ...}`): the first stage that differs is the one reported.
 
 `QWEN_MINI_CHECKS` sets what a check does besides printing: `learner` (default) never raises,
 so Run All keeps going; `solutions` raises unless the exercise passes (CI on solutions/);
@@ -24,10 +36,12 @@ has leaked its solution, or its checks cannot fail).
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import math
 import os
+import secrets
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,7 +72,33 @@ class Exercise:
     title: str = ""
     public: list[tuple[str, Callable]] = field(default_factory=list)
     hidden: list[tuple[str, Callable]] = field(default_factory=list)
+    mistakes: dict[str, Mistake] = field(default_factory=dict)
     registered: bool = False
+
+
+@dataclass(frozen=True)
+class Mistake:
+    """A typical wrong answer: a function (or class) with the exercise's signature, and the idea
+    it gets wrong, which is the message a learner sees when their answer matches it."""
+
+    exercise_id: str
+    name: str
+    fn: Callable
+    idea: str
+    public: bool = True  # False: a mistake the chapter does not warn about, caught when grading
+
+
+@dataclass(frozen=True)
+class Case:
+    exercise_id: str
+    name: str
+    inputs: Callable  # (generator) -> tuple of the arguments
+    call: Callable  # (implementation, *arguments) -> what is compared
+    expected: Callable | None  # (*arguments) -> the value; None: the reference's result
+    atol: float
+    rtol: float
+    seed: int
+    hidden: bool
 
 
 @dataclass
@@ -103,26 +143,26 @@ def _entry(exercise_id: str) -> Exercise:
 
 
 def register(exercise_id: str, reference=None, points: float = 1, title: str = "") -> None:
-    """Declare an exercise, the package object it reimplements and what it is worth."""
+    """Declare an exercise, the package object it reimplements and what it is worth; its cases
+    and mistakes follow (a chapter module imported again declares them afresh)."""
+    _EXERCISES[exercise_id] = Exercise(exercise_id, reference, points, title, registered=True)
+
+
+def _add(exercise_id: str, hidden: bool, label: str, fn: Callable) -> None:
     entry = _entry(exercise_id)
-    entry.reference, entry.points, entry.title, entry.registered = reference, points, title, True
+    if label in {name for name, _ in entry.public + entry.hidden}:
+        raise ValueError(f"{exercise_id}: two checks named {label!r} (a message must say which)")
+    (entry.hidden if hidden else entry.public).append((label, fn))
 
 
-def _add(exercise_id: str, which: str, name: str | None):
+def _check_function(exercise_id: str, which: str, name: str | None):
     def decorator(fn: Callable) -> Callable:
         checks = getattr(_entry(exercise_id), which)
-        # re-importing a chapter module must not register its checks twice
-        key = (fn.__code__.co_filename, fn.__code__.co_firstlineno)
-        checks[:] = [c for c in checks if _key(c[1]) != key]
         label = name or _docline(fn) or f"{which} check {len(checks) + 1}"
-        checks.append((label, fn))
+        _add(exercise_id, which == "hidden", label, lambda obj: fn(obj))
         return fn
 
     return decorator
-
-
-def _key(fn: Callable) -> tuple:
-    return (fn.__code__.co_filename, fn.__code__.co_firstlineno)
 
 
 def _docline(fn: Callable) -> str:
@@ -130,13 +170,113 @@ def _docline(fn: Callable) -> str:
 
 
 def public(exercise_id: str, name: str | None = None):
-    """Decorate `def _(obj): ...`: a check the learner runs; it raises AssertionError to fail."""
-    return _add(exercise_id, "public", name)
+    """Decorate `def _(obj): ...`: a check the learner runs; it raises AssertionError to fail.
+    For what is not yet a case (a stateful exercise diagnosed stage by stage by hand)."""
+    return _check_function(exercise_id, "public", name)
 
 
 def hidden(exercise_id: str, name: str | None = None):
     """Like `public`, but only run when grading."""
-    return _add(exercise_id, "hidden", name)
+    return _check_function(exercise_id, "hidden", name)
+
+
+def case(
+    exercise_id: str,
+    name: str,
+    inputs: Callable,
+    call: Callable | None = None,
+    expected: Callable | None = None,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    seed: int = 0,
+    hidden: bool = False,
+) -> None:
+    """Declare a case: `inputs(generator)` gives the arguments, `call(impl, *arguments)` what is
+    compared (default `impl(*arguments)`) with the reference's, or with `expected(*arguments)`."""
+    c = Case(exercise_id, name, inputs, call or _plain_call, expected, atol, rtol, seed, hidden)
+    _add(exercise_id, hidden, name, lambda obj: _run_case(c, obj))
+
+
+def _plain_call(impl, *arguments):
+    return impl(*arguments)
+
+
+def mistake(exercise_id: str, idea: str, name: str | None = None, public: bool = True):
+    """Decorate a wrong implementation with the exercise's signature: the idea it gets wrong."""
+
+    def decorator(fn: Callable) -> Callable:
+        key = name or fn.__name__
+        mistakes = _entry(exercise_id).mistakes
+        if key in mistakes:
+            raise ValueError(f"{exercise_id}: two mistakes named {key!r}")
+        mistakes[key] = Mistake(exercise_id, key, fn, idea, public)
+        return fn
+
+    return decorator
+
+
+def catalogue(chapter: str) -> list[Mistake]:
+    """Every catalogued mistake of a chapter ("ch02"), exercise by exercise."""
+    return [m for e in exercises(chapter) for m in e.mistakes.values()]
+
+
+# --- running a case ------------------------------------------------------------------------------
+
+_SECRET = secrets.randbits(64)  # seeds the hidden cases' inputs; never printed, never stored
+
+
+def new_secret() -> None:
+    """Draw a new secret for the hidden cases' inputs. A grading run calls this once at start,
+    so every notebook of the run gets the same inputs and no submission can know them."""
+    global _SECRET
+    _SECRET = secrets.randbits(64)
+
+
+def _seed(c: Case) -> int:
+    if not c.hidden:
+        return c.seed
+    text = f"{_SECRET}:{c.exercise_id}:{c.name}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "little")
+
+
+def _inputs(c: Case, seed: int) -> tuple:
+    return c.inputs(torch.Generator().manual_seed(seed))
+
+
+def _result(c: Case, impl, seed: int):
+    """`impl` run on a fresh copy of the case's inputs (it may change them), the global RNG
+    seeded alike for every implementation."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return c.call(impl, *_inputs(c, seed))
+
+
+def _run_case(c: Case, obj) -> None:
+    seed = _seed(c)
+    entry = get(c.exercise_id)
+    got = _result(c, obj, seed)
+    want = (
+        _result(c, entry.reference, seed) if c.expected is None else c.expected(*_inputs(c, seed))
+    )
+    root = entry.id.split(".", 1)[1] if c.call is _plain_call else ""
+    try:
+        expect_close(root, got, want, c.atol, c.rtol)
+    except AssertionError:
+        idea = _matching_mistake(c, entry, got, seed)
+        if idea is None:
+            raise
+        raise AssertionError(idea) from None
+
+
+def _matching_mistake(c: Case, entry: Exercise, got, seed: int) -> str | None:
+    """The idea of the first catalogued mistake whose result on this case is the learner's."""
+    for m in entry.mistakes.values():
+        try:
+            expect_close("", got, _result(c, m.fn, seed), c.atol, c.rtol)
+        except Exception:  # a mistake may crash on inputs it was not written for
+            continue
+        return m.idea
+    return None
 
 
 # --- lookup --------------------------------------------------------------------------------------
@@ -280,9 +420,24 @@ def seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def randn(*shape, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
-    """Standard-normal test input, drawn in float32 (identical on every machine), then cast."""
-    return torch.randn(*shape, generator=seeded(seed)).to(dtype)
+def randn(
+    *shape, seed: int = 0, dtype=torch.float32, g: torch.Generator | None = None
+) -> torch.Tensor:
+    """Standard-normal test input, drawn in float32 (identical on every machine), then cast;
+    from a case's generator `g`, else from one seeded with `seed`."""
+    return torch.randn(*shape, generator=g or seeded(seed)).to(dtype)
+
+
+def between(g: torch.Generator, low: int, high: int) -> int:
+    """A size drawn from a case's generator, low ≤ n ≤ high (hidden cases vary their shapes)."""
+    return int(torch.randint(low, high + 1, (), generator=g))
+
+
+def named(value, *names: str) -> dict:
+    """The parts of a returned tuple by name, so that a message says which one differs."""
+    if not (isinstance(value, tuple | list) and len(value) == len(names)):
+        raise AssertionError(f"expected a tuple ({', '.join(names)}), got {_kind(value)}")
+    return dict(zip(names, value, strict=True))
 
 
 def _short(value, limit: int = 120) -> str:
@@ -291,42 +446,109 @@ def _short(value, limit: int = 120) -> str:
 
 
 def expect_equal(name: str, got, expected) -> None:
-    """Fail with "name: expected …, got …" unless got == expected (tensors: shape and values)."""
-    if isinstance(expected, torch.Tensor) or isinstance(got, torch.Tensor):
-        _expect_tensor(name, got, expected, atol=0.0, rtol=0.0)
-        return
-    try:
-        same = bool(got == expected)
-    except Exception:  # e.g. comparing a tensor-like object that refuses bool()
-        same = False
-    if not same:
-        raise AssertionError(f"{name}: expected {_short(expected)}, got {_short(got)}")
+    """`expect_close` with no tolerance."""
+    expect_close(name, got, expected, atol=0.0, rtol=0.0)
 
 
 def expect_close(name: str, got, expected, atol: float = 1e-5, rtol: float = 1e-5) -> None:
-    """Fail unless |got - expected| <= atol + rtol * |expected| everywhere, with equal shapes;
-    the message gives the worst element, the max abs diff and the tolerance."""
-    _expect_tensor(name, got, expected, atol, rtol)
+    """The one comparison: fail with "name: expected …, got …" unless `got` has the structure
+    of `expected` (dicts with its keys, sequences of its length), tensors of its shape and dtype
+    (a subclass or another object is wrong), and values within atol + rtol·|expected|. NaN or inf
+    where `expected` is finite is wrong; the message gives the worst element."""
+    if isinstance(expected, dict):
+        _expect_dict(name, got, expected, atol, rtol)
+    elif isinstance(expected, tuple | list) and not _plain(expected):
+        if not isinstance(got, tuple | list) or len(got) != len(expected):
+            what = (
+                f"{type(got).__name__} of length {len(got)}"
+                if isinstance(got, tuple | list)
+                else _kind(got)
+            )
+            raise AssertionError(f"{name}: expected {len(expected)} values, got {what}")
+        for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+            expect_close(f"{name}[{i}]", g, e, atol, rtol)
+    elif isinstance(expected, torch.Tensor):
+        _expect_tensor(name, got, expected, atol, rtol)
+    elif isinstance(expected, float) or (type(expected) is int and (atol or rtol)):
+        _expect_number(name, got, expected, atol, rtol)
+    elif type(expected) is str and type(got) is str and got != expected:
+        raise AssertionError(f"{name}: {_text_difference(got, expected)}")
+    elif not _same(got, expected):
+        raise AssertionError(f"{name}: expected {_short(expected)}, got {_short(got)}")
 
 
-def _as_tensor(name: str, value, role: str) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if value is None and role == "got":
-        raise AssertionError(f"{name}: expected a tensor, got None (is a `return` missing?)")
+def _text_difference(got: str, expected: str) -> str:
+    i = next((k for k, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None)
+    i = min(len(got), len(expected)) if i is None else i
+    lo = max(0, i - 30)
+    return (
+        f"first difference at character {i}: expected …{expected[lo : i + 30]!r}…, "
+        f"got …{got[lo : i + 30]!r}…"
+    )
+
+
+def _plain(value) -> bool:
+    """Data compared whole and shown whole (a shape, a list of ids), not element by element."""
+    if isinstance(value, tuple | list):
+        return all(_plain(v) for v in value)
+    return type(value) in (int, str, bool, type(None)) or isinstance(value, torch.dtype)
+
+
+def _same(got, expected) -> bool:
+    if type(got) is not type(expected) and not _sequences(got, expected):
+        return False
+    if isinstance(expected, tuple | list):
+        return len(got) == len(expected) and all(map(_same, got, expected))
     try:
-        return torch.as_tensor(value)
-    except Exception:
-        raise AssertionError(f"{name}: expected a tensor, got {type(value).__name__}") from None
+        return bool(got == expected)
+    except Exception:  # an object that refuses bool()
+        return False
 
 
-def _expect_tensor(name: str, got, expected, atol: float, rtol: float) -> None:
-    g, e = _as_tensor(name, got, "got"), _as_tensor(name, expected, "expected")
+def _sequences(got, expected) -> bool:  # a list where a tuple is expected is the same answer
+    return isinstance(got, tuple | list) and isinstance(expected, tuple | list)
+
+
+def _kind(value) -> str:
+    return "None (is a `return` missing?)" if value is None else type(value).__name__
+
+
+def _expect_dict(name: str, got, expected: dict, atol: float, rtol: float) -> None:
+    if not isinstance(got, dict):
+        raise AssertionError(f"{name}: expected a dict, got {_kind(got)}")
+    missing = [k for k in expected if k not in got]
+    if missing:
+        raise AssertionError(f"{name}: the key {missing[0]!r} is missing ({len(missing)} missing)")
+    extra = [k for k in got if k not in expected]
+    if extra:
+        raise AssertionError(f"{name}: unexpected key {extra[0]!r} ({len(extra)} unexpected)")
+    for key, e in expected.items():
+        path = f"{name}[{key!r}]" if name else str(key)
+        expect_close(path, got[key], e, atol, rtol)
+
+
+def _expect_number(name: str, got, expected: float, atol: float, rtol: float) -> None:
+    if type(got) not in (int, float):  # a tensor, a NumPy scalar or a stand-in is not a number
+        raise AssertionError(f"{name}: expected a Python number, got {_kind(got)}")
+    if math.isfinite(expected) and not math.isfinite(got):
+        raise AssertionError(f"{name}: expected {expected:.6g}, got {got}")
+    if not (got == expected or abs(got - expected) <= atol + rtol * abs(expected)):
+        tolerance = f"tolerance {atol:g} + {rtol:g}·|expected|"
+        raise AssertionError(f"{name}: expected {expected:.6g}, got {got:.6g} ({tolerance})")
+
+
+def _expect_tensor(name: str, got, expected: torch.Tensor, atol: float, rtol: float) -> None:
+    if type(got) not in (torch.Tensor, torch.nn.Parameter):
+        raise AssertionError(f"{name}: expected a tensor, got {_kind(got)}")
+    g, e = got.detach(), expected.detach()
     if tuple(g.shape) != tuple(e.shape):
         raise AssertionError(f"{name}: expected shape {tuple(e.shape)}, got {tuple(g.shape)}")
+    if g.dtype != e.dtype:
+        raise AssertionError(f"{name}: expected dtype {e.dtype}, got {g.dtype}")
     if g.numel() == 0:
         return
     g64, e64 = g.cpu().to(torch.float64), e.cpu().to(torch.float64)
+    # equal_nan only where the expected value is itself NaN: NaN never matches a number
     bad = ~torch.isclose(g64, e64, atol=atol, rtol=rtol, equal_nan=True)
     if not bad.any():
         return

@@ -1,13 +1,8 @@
 """Checks for chapter 0 (safetensors header, RMSNorm, SwiGLU, RoPE, parameter counts, tied head).
 
-Every check tests the object it is given on small seeded inputs. The expected values come from
-the package reference, from values worked out by hand, from the `safetensors` library, and from
-invariants (scale invariance, rotations preserving norms, relative positions).
-
-Every mistake the chapter warns about fails a public check whose message names the idea: the
-checks compute the typical wrong answers too (`_diagnose`), and when the learner's output matches
-one of them, the message says which idea is wrong instead of only showing a differing number.
-tests/test_wrong_answers_ch00.py holds a corpus of such wrong answers, each required to fail.
+Each exercise is a list of cases and a catalogue of typical mistakes whose ideas the messages name.
+The expected values come from the package reference, from values worked out by hand, from the
+`safetensors` library, and from a model built from the config (its parameter count).
 """
 
 from __future__ import annotations
@@ -23,18 +18,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from torch import nn
 
 from qwen_mini import mlp, norms, rope, safetensors_file
 from qwen_mini.architectures import config_from_dict
 from qwen_mini.config import ASSETS, Config
-from qwen_mini.course.checking import (
-    expect_close,
-    expect_equal,
-    hidden,
-    public,
-    randn,
-    register,
-)
+from qwen_mini.course.checking import between, case, mistake, named, randn, register
 from qwen_mini.course.lab import ch00 as lab
 from qwen_mini.model import CausalLM
 
@@ -75,785 +64,759 @@ register(
 )
 
 
-def _diagnose(name: str, got, expected, wrong: dict, atol: float, rtol: float) -> None:
-    """expect_close, but if `got` matches one of the typical wrong answers in `wrong`
-    ({idea: tensor}), the message starts with that idea."""
-    try:
-        expect_close(name, got, expected, atol=atol, rtol=rtol)
-    except AssertionError as failure:
-        if isinstance(got, torch.Tensor):
-            g = got.detach().double()
-            for idea, w in wrong.items():
-                w = w.detach().double()
-                if g.shape == w.shape and torch.allclose(g, w, atol=max(atol, 1e-6), rtol=rtol):
-                    raise AssertionError(f"{idea} — {failure}") from None
-        raise
+# --- read_safetensors_header --------------------------------------------------------------------
+
+HEADER = "ch00.read_safetensors_header"
+LENGTH = "the first 8 bytes are the header length, an unsigned 64-bit little-endian integer"
 
 
-def _write(data: bytes) -> Path:
+def _file(data: bytes, size: int | None = None) -> Path:
     path = Path(tempfile.mkdtemp(prefix="qwen_mini_ch00_")) / "check.safetensors"
     path.write_bytes(data)
+    if size is not None:
+        os.truncate(path, size)  # sparse: free to create
     return path
 
 
-# --- read_safetensors_header --------------------------------------------------------------------
+def _with_header(head: dict, data: bytes = b"", pad: bool = False) -> bytes:
+    text = json.dumps(head).encode()
+    text += b" " * (-len(text) % 8 if pad else 0)  # safetensors pads to 8-byte alignment
+    return struct.pack("<Q", len(text)) + text + data
 
 
-def _read(read_safetensors_header, path: Path):
-    """Call the learner's function; if it crashes, explain the layout of the 8-byte prefix."""
+def _read(read_safetensors_header, path):
+    """The learner's header; if their code crashes, explain the layout of the 8-byte prefix."""
     try:
         return read_safetensors_header(path)
-    except NotImplementedError:
+    except (NotImplementedError, AssertionError):
         raise
     except Exception as e:
-        first = path.open("rb").read(8)
+        first = Path(path).open("rb").read(8)
         little, big = struct.unpack("<Q", first)[0], struct.unpack(">Q", first)[0]
         raise AssertionError(
-            f"your code raised {type(e).__name__}: {e}. The first 8 bytes ({first.hex(' ')}) are "
-            f"the header length, an unsigned 64-bit little-endian integer: {little} bytes of JSON "
-            f"follow (read big-endian they would claim {big:,} bytes)"
+            f"your code raised {type(e).__name__}: {e}. {LENGTH} ({first.hex(' ')}): {little} "
+            f"bytes of JSON follow (read big-endian they would claim {big:,} bytes)"
         ) from None
 
 
-@public("ch00.read_safetensors_header")
-def _(read_safetensors_header):
-    # written by hand: header length 8 bytes little-endian, JSON, then 16 bytes of float32 data
-    head = {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}
-    text = json.dumps(head).encode()
-    path = _write(struct.pack("<Q", len(text)) + text + bytes(16))
-    got = _read(read_safetensors_header, path)
-    if isinstance(got, (str, bytes, bytearray)):
-        raise AssertionError(
-            f"expected a dict, got {type(got).__name__}: parse the header bytes as JSON"
-        )
-    expect_equal("header of a hand-written file", got, head)
-    expect_equal("header read from a str path", _read(read_safetensors_header, str(path)), head)
+HAND = {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}
+case(
+    HEADER,
+    "header of a hand-written file (length, JSON, 16 bytes of float32 data)",
+    lambda g: (_file(_with_header(HAND, bytes(16))),),
+    _read,
+    lambda path: HAND,
+)
+case(
+    HEADER,
+    "header read from a str path",
+    lambda g: (str(_file(_with_header(HAND, bytes(16)))),),
+    _read,
+    lambda path: HAND,
+)
 
 
-@public("ch00.read_safetensors_header")
-def _(read_safetensors_header):
+def _saved(g):
     path = Path(tempfile.mkdtemp(prefix="qwen_mini_ch00_")) / "saved.safetensors"
-    save_file(
-        {
-            "model.norm.weight": torch.ones(4),
-            "model.embed_tokens.weight": torch.zeros(3, 4, dtype=torch.bfloat16),
-        },
-        path,
-        metadata={"format": "pt"},
-    )
-    h = _read(read_safetensors_header, path)
-    expect_equal(
-        "tensor names",
-        sorted(k for k in h if k != "__metadata__"),
-        ["model.embed_tokens.weight", "model.norm.weight"],
-    )
-    expect_equal(
-        "__metadata__ (keep every entry of the header, the metadata included)",
-        h.get("__metadata__"),
-        {"format": "pt"},
-    )
-    expect_equal(
-        "model.embed_tokens.weight",
-        h["model.embed_tokens.weight"],
-        {
-            "dtype": "BF16",
-            "shape": [3, 4],
-            "data_offsets": h["model.embed_tokens.weight"]["data_offsets"],
-        },
-    )
-    reference = safetensors_file.read_safetensors_header(path)
-    expect_equal("the whole header vs the reference", h, reference)
+    tensors = {
+        "model.norm.weight": torch.ones(4),
+        "model.embed_tokens.weight": torch.zeros(3, 4, dtype=torch.bfloat16),
+    }
+    save_file(tensors, path, metadata={"format": "pt"})
+    return (path,)
 
 
-_BIG = 64 * 2**20  # bytes of tensor data after the header in the "read only the header" check
+case(HEADER, "a file saved by safetensors, with __metadata__ (keep every entry)", _saved, _read)
+
+BIG = 64 * 2**20  # bytes of tensor data after the header: reading the header must not load them
+BIG_HEAD = {"big": {"dtype": "U8", "shape": [BIG], "data_offsets": [0, BIG]}}
 
 
-@public("ch00.read_safetensors_header", "reads only the header, not the tensor data")
-def _(read_safetensors_header):
-    # a small header followed by 64 MiB of (sparse, so free to create) tensor data: reading the
-    # header must not allocate memory for the data. A real checkpoint's data is 1.5 GB.
-    head = {"big": {"dtype": "U8", "shape": [_BIG], "data_offsets": [0, _BIG]}}
-    text = json.dumps(head).encode()
-    path = Path(tempfile.mkdtemp(prefix="qwen_mini_ch00_")) / "big.safetensors"
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
-    os.truncate(path, 8 + len(text) + _BIG)
+def _big_file(g):
+    data = _with_header(BIG_HEAD)
+    return (_file(data, len(data) + BIG),)
+
+
+def _read_measured(read_safetensors_header, path):
+    """The header, and whether reading it allocated less than a quarter of the data."""
+    tracing = tracemalloc.is_tracing()
+    if not tracing:
+        tracemalloc.start()
+    tracemalloc.reset_peak()
     try:
-        was_tracing = tracemalloc.is_tracing()
-        if not was_tracing:
-            tracemalloc.start()
-        tracemalloc.reset_peak()
         got = _read(read_safetensors_header, path)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
-        if not was_tracing:
+        if not tracing:
             tracemalloc.stop()
         path.unlink()
-    if peak > _BIG // 4:
-        raise AssertionError(
-            f"reading the header allocated {peak / 2**20:.0f} MiB for a file of "
-            f"{(_BIG + len(text) + 8) / 2**20:.0f} MiB: read only the 8-byte length and the "
-            "header, not the whole file (a real checkpoint holds 1.5 GB of tensor data after it)"
-        )
-    expect_equal("header of a file with 64 MiB of data", got, head)
+    return {
+        "the header": got,
+        "memory allocated below 16 MiB (read only the header)": peak < BIG // 4,
+    }
 
 
-@hidden("ch00.read_safetensors_header")
-def _(read_safetensors_header):
-    # a header longer than 255 bytes (the length needs two bytes, little-endian), padded with
-    # spaces as safetensors pads to 8-byte alignment, followed by data that is not JSON
+case(
+    HEADER,
+    "reads only the header, not the 64 MiB of tensor data after it",
+    _big_file,
+    _read_measured,
+)
+
+
+def _long_header(g):  # longer than 255 bytes (the length needs two bytes), padded, then binary
+    n = between(g, 8, 16)
     head = {
         f"model.layers.{i}.mlp.up_proj.weight": {
             "dtype": "BF16",
             "shape": [1],
             "data_offsets": [2 * i, 2 * i + 2],
         }
-        for i in range(12)
+        for i in range(n)
     }
-    text = json.dumps(head).encode()
-    text += b" " * (-len(text) % 8)
-    path = _write(struct.pack("<Q", len(text)) + text + b"\xff" * 24)
-    got = _read(read_safetensors_header, path)
-    expect_equal("long, padded header followed by binary data", got, head)
+    return (_file(_with_header(head, b"\xff" * 2 * n, pad=True)),)
 
 
-@hidden("ch00.read_safetensors_header")
-def _(read_safetensors_header):
-    # a 300 kB header (a real 0.6B header is about 40 kB; sharded MoE checkpoints are larger):
-    # the length is read from the file, never assumed
+def _huge_header(g):  # about 300 kB (a real 0.6B header is about 40 kB): the length is read
+    layers, experts = between(g, 20, 24), 128
     head = {
         f"model.layers.{i}.mlp.experts.{e}.down_proj.weight": {
             "dtype": "BF16",
             "shape": [4, 4],
-            "data_offsets": [32 * (128 * i + e), 32 * (128 * i + e) + 32],
+            "data_offsets": [32 * (experts * i + e), 32 * (experts * i + e) + 32],
         }
-        for i in range(24)
-        for e in range(128)
+        for i in range(layers)
+        for e in range(experts)
     }
-    text = json.dumps(head).encode()
-    path = _write(struct.pack("<Q", len(text)) + text + bytes(32 * 24 * 128))
-    expect_equal(
-        f"header of {len(text):,} bytes (read the length from the file)",
-        _read(read_safetensors_header, path),
-        head,
-    )
+    return (_file(_with_header(head, bytes(32 * layers * experts))),)
+
+
+case(HEADER, "a long, padded header followed by binary data", _long_header, _read, hidden=True)
+case(HEADER, "a 300 kB header (read the length from the file)", _huge_header, _read, hidden=True)
+
+
+@mistake(HEADER, LENGTH, name="header_big_endian")
+def header_big_endian(path):
+    with open(path, "rb") as f:
+        (n,) = struct.unpack(">Q", f.read(8))
+        return json.loads(f.read(n))
+
+
+@mistake(HEADER, LENGTH, name="header_four_byte_length")
+def header_four_byte_length(path):
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<I", f.read(4))
+        return json.loads(f.read(n))
+
+
+@mistake(
+    HEADER,
+    "reading the header allocated memory for the whole file: read only the 8-byte length and the "
+    "header, not the whole file (a real checkpoint holds 1.5 GB of tensor data after it)",
+)
+def header_whole_file(path):
+    raw = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + n])
+
+
+@mistake(HEADER, "the header is a str: parse the header bytes as JSON (json.loads) into a dict")
+def header_unparsed(path):
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return f.read(n).decode()
+
+
+@mistake(HEADER, "__metadata__ is missing: keep every entry of the header, the metadata included")
+def header_drops_metadata(path):
+    h = safetensors_file.read_safetensors_header(path)
+    return {k: v for k, v in h.items() if k != "__metadata__"}
+
+
+@mistake(HEADER, f"a fixed chunk of 64 KiB was read: {LENGTH}, read that many", public=False)
+def header_fixed_chunk(path):
+    with open(path, "rb") as f:
+        chunk = f.read(65536)  # "headers are small"
+    (n,) = struct.unpack("<Q", chunk[:8])
+    return json.loads(chunk[8 : 8 + n])
 
 
 # --- RMSNorm ------------------------------------------------------------------------------------
 
+NORM = "ch00.rms_norm"
 
-def _norm(cls, dim, weight=None, eps=None):
+
+def _norm(cls, dim, weight=None, eps=None, dtype=torch.float32):
     m = cls(dim) if eps is None else cls(dim, eps)
     if weight is not None:
         with torch.no_grad():
             m.weight.copy_(weight)
-    return m
+    return m.to(dtype)
 
 
-def _norm_wrong(x: torch.Tensor, eps: float) -> dict:
-    """The typical wrong normalisations of x (weight 1), in float64, by the idea they miss."""
-    x = x.double()
-    ms = x.pow(2).mean(-1, keepdim=True)
-    centred = x - x.mean(-1, keepdim=True)
+def _normed(RMSNorm, x, weight=None, eps=None):
+    with torch.no_grad():
+        return _norm(RMSNorm, x.shape[-1], weight, eps, x.dtype)(x)
+
+
+def _parameters(RMSNorm):
+    m = RMSNorm(8)
     return {
-        "eps goes inside the square root, added to the mean of squares": x / (ms.sqrt() + eps),
-        "eps is missing: it is added to the mean of squares (it guards tiny vectors)": x
-        / ms.sqrt(),
-        "RMSNorm subtracts no mean (that is LayerNorm)": centred
-        / (centred.pow(2).mean(-1, keepdim=True) + eps).sqrt(),
-        "root MEAN square: divide by sqrt(mean of squares), not by the vector's length": x
-        / (x.pow(2).sum(-1, keepdim=True) + eps).sqrt(),
-        "divide by the root mean square; do not multiply": x * (ms + eps).sqrt(),
-        "Qwen3's RMSNorm multiplies by the weight w (initialised to ones), not by 1 + w "
-        "(the zero-centred norm of Qwen3.5)": 2 * x / (ms + eps).sqrt(),
+        "parameter names (they must match the checkpoint)": sorted(
+            n for n, _ in m.named_parameters()
+        ),
+        "weight, initialised to ones": m.weight.detach(),
     }
 
 
-@public("ch00.rms_norm")
-def _(RMSNorm):
-    m = RMSNorm(8)
-    expect_equal(
-        "parameter names (they must match the checkpoint)",
-        sorted(n for n, _ in m.named_parameters()),
-        ["weight"],
-    )
-    expect_equal("weight shape", tuple(m.weight.shape), (8,))
-    expect_close("weight initialised to ones", m.weight, torch.ones(8), atol=0, rtol=0)
-    # worked by hand: x = [3, 4]: mean of squares 12.5, so x / sqrt(12.5)
-    x = torch.tensor([[3.0, 4.0]])
-    _diagnose(
-        "RMSNorm(2, eps=0)([3, 4]) = [3, 4] / sqrt(12.5)",
-        RMSNorm(2, eps=0.0)(x),
-        x / math.sqrt(12.5),
-        _norm_wrong(x, 0.0),
-        atol=1e-6,
-        rtol=1e-6,
-    )
+def _bf16(RMSNorm, x, weight):
+    return {
+        "weight 1: normalise in float32, round once to bfloat16 at the end, cast back to the "
+        "input dtype": _normed(RMSNorm, x),
+        "the weight multiplies after the cast back to bfloat16": _normed(RMSNorm, x, weight),
+    }
 
 
-@public("ch00.rms_norm", "eps placement: on a tiny vector eps matters")
-def _(RMSNorm):
-    # mean of squares 1e-6, eps 1e-2: x / sqrt(1e-6 + 1e-2) = 1e-3 / 0.10005
-    tiny = torch.full((1, 4), 1e-3)
-    _diagnose(
-        "RMSNorm(4, eps=1e-2) on [1e-3] * 4",
-        RMSNorm(4, eps=1e-2)(tiny),
-        tiny / math.sqrt(1e-6 + 1e-2),
-        {
-            **_norm_wrong(tiny, 1e-2),
-            "use self.eps, the eps given to the constructor, not a constant": tiny
-            / math.sqrt(1e-6 + 1e-6),
-        },
-        atol=1e-7,
-        rtol=1e-5,
-    )
+case(NORM, "parameters", lambda g: (), _parameters)
+case(
+    NORM,
+    "RMSNorm(2, eps=0)([3, 4]) = [3, 4] / sqrt(12.5) (mean of squares 12.5)",
+    lambda g: (torch.tensor([[3.0, 4.0]]), None, 0.0),
+    _normed,
+    lambda x, w, eps: x / math.sqrt(12.5),
+    atol=1e-6,
+    rtol=1e-6,
+)
+case(
+    NORM,
+    "eps placement: RMSNorm(4, eps=1e-2) on [1e-3] * 4 = 1e-3 / sqrt(1e-6 + 1e-2)",
+    lambda g: (torch.full((1, 4), 1e-3), None, 1e-2),
+    _normed,
+    lambda x, w, eps: x / math.sqrt(1e-6 + 1e-2),
+    atol=1e-7,
+    rtol=1e-5,
+)
+case(
+    NORM,
+    "float32 input, random weight",
+    lambda g: (randn(2, 3, 16, g=g), randn(16, g=g)),
+    _normed,
+    atol=1e-6,
+    rtol=1e-5,
+    seed=1,
+)
+case(
+    NORM,
+    "bfloat16 input: float32 inside, cast back, then times the weight",
+    lambda g: ((randn(4, 64, g=g) * 5).bfloat16(), (1 + randn(64, g=g) / 4).bfloat16()),
+    _bf16,
+    seed=3,
+)
+case(
+    NORM,
+    "large values, other widths",
+    lambda g: (randn(3, 4 * between(g, 4, 32), g=g) * 1000,),
+    _normed,
+    atol=1e-5,
+    rtol=1e-5,
+    hidden=True,
+)
+case(
+    NORM,
+    "bfloat16, other widths",
+    lambda g: ((randn(2, 5, 96, g=g) * 3).bfloat16(), (randn(96, g=g) / 2).bfloat16()),
+    _bf16,
+    hidden=True,
+)
+case(
+    NORM,
+    "default eps (1e-6) on a tiny vector",
+    lambda g: (torch.full((2, 8), 1e-4),),
+    _normed,
+    lambda x: x / math.sqrt(1e-8 + 1e-6),
+    atol=1e-7,
+    rtol=1e-5,
+    hidden=True,
+)
 
 
-@public("ch00.rms_norm")
-def _(RMSNorm):
-    x, w = randn(2, 3, 16, seed=1), randn(16, seed=2)
-    expect_close(
-        "float32 input, random weight, vs reference",
-        _norm(RMSNorm, 16, w)(x),
-        _norm(norms.RMSNorm, 16, w)(x),
-        atol=1e-6,
-        rtol=1e-5,
-    )
+class _Norm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        dtype = x.dtype
+        return self.weight * self.normalise(x.float()).to(dtype)
 
 
-def _bf16_norm_checks(RMSNorm, x: torch.Tensor, w: torch.Tensor) -> None:
-    """bfloat16 in: dtype kept; float32 inside (weight 1); weight after the cast back."""
-    dim = x.shape[-1]
-    got = _norm(RMSNorm, dim, w).bfloat16()(x)
-    expect_equal(
-        "dtype of the output for bfloat16 input (cast back to the input dtype)",
-        got.dtype,
-        torch.bfloat16,
-    )
-    ones = _norm(RMSNorm, dim).bfloat16()(x)
-    expect_close(
-        "float32 inside: with weight 1 and bfloat16 input, normalise in float32 and round once "
-        "to bfloat16 at the end (a bfloat16 computation rounds every step)",
-        ones.float(),
-        _norm(norms.RMSNorm, dim).bfloat16()(x).float(),
-        atol=0,
-        rtol=0,
-    )
-    expect_close(
-        "the weight multiplies after the cast back to bfloat16, as in the reference (the "
-        "product in float32, cast afterwards, rounds differently)",
-        got.float(),
-        _norm(norms.RMSNorm, dim, w).bfloat16()(x).float(),
-        atol=0,
-        rtol=0,
-    )
+def _ms(x):
+    return x.pow(2).mean(-1, keepdim=True)
 
 
-@public("ch00.rms_norm", "bfloat16 input: float32 inside, cast back, then times the weight")
-def _(RMSNorm):
-    xb, wb = (randn(4, 64, seed=3) * 5).bfloat16(), (1 + randn(64, seed=4) / 4).bfloat16()
-    _bf16_norm_checks(RMSNorm, xb, wb)
+@mistake(
+    NORM,
+    "float32 inside: normalise in float32 and round once at the end (a bfloat16 computation "
+    "rounds every step)",
+)
+class NormNoFloat32(_Norm):
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(_ms(x) + self.eps))
 
 
-@hidden("ch00.rms_norm")
-def _(RMSNorm):
-    x = randn(3, 32, seed=5)
-    m = RMSNorm(32)
-    expect_close(
-        "scale invariance: norm(1000 x) == norm(x)", m(1000 * x), m(x), atol=1e-5, rtol=1e-5
-    )
-    expect_close(
-        "root mean square of the output (weight 1)",
-        m(x).pow(2).mean(-1).sqrt(),
-        torch.ones(3),
-        atol=1e-5,
-        rtol=0,
-    )
-    # large values in bfloat16: squares near 1e6 must not be rounded or overflow
-    xb = (randn(2, 128, seed=6) * 1000).bfloat16()
-    expect_close(
-        "large bfloat16 values",
-        RMSNorm(128)(xb).float(),
-        norms.RMSNorm(128)(xb).float(),
-        atol=0,
-        rtol=0,
-    )
+@mistake(NORM, "the output is float32: cast back to the input dtype")
+class NormNoCastBack(_Norm):
+    def forward(self, x):
+        x = x.float()
+        return self.weight * (x * torch.rsqrt(_ms(x) + self.eps))
 
 
-@hidden("ch00.rms_norm")
-def _(RMSNorm):
-    # another width, batch shape and seed in bfloat16; default eps is 1e-6
-    xb = (randn(2, 5, 96, seed=21) * 3).bfloat16()
-    wb = (randn(96, seed=22) / 2).bfloat16()
-    _bf16_norm_checks(RMSNorm, xb, wb)
-    tiny = torch.full((2, 8), 1e-4)
-    expect_close(
-        "default eps (1e-6) on a tiny vector",
-        RMSNorm(8)(tiny),
-        tiny / math.sqrt(1e-8 + 1e-6),
-        atol=1e-7,
-        rtol=1e-5,
-    )
+@mistake(
+    NORM,
+    "the weight multiplies after the cast back, as in the reference (the product in float32, "
+    "cast afterwards, rounds differently)",
+)
+class NormWeightBeforeCast(_Norm):
+    def forward(self, x):
+        y = x.float()
+        return (self.weight * (y * torch.rsqrt(_ms(y) + self.eps))).to(x.dtype)
+
+
+@mistake(NORM, "eps goes inside the square root, added to the mean of squares")
+class NormEpsOutside(_Norm):
+    def normalise(self, x):
+        return x / (_ms(x).sqrt() + self.eps)
+
+
+@mistake(NORM, "eps is missing: it is added to the mean of squares (it guards tiny vectors)")
+class NormNoEps(_Norm):
+    def normalise(self, x):
+        return x * torch.rsqrt(_ms(x))
+
+
+@mistake(NORM, "RMSNorm subtracts no mean (that is LayerNorm)")
+class NormLayerNorm(_Norm):
+    def normalise(self, x):
+        x = x - x.mean(-1, keepdim=True)
+        return x * torch.rsqrt(_ms(x) + self.eps)
+
+
+@mistake(NORM, "root MEAN square: divide by sqrt(mean of squares), not by the vector's length")
+class NormL2(_Norm):
+    def normalise(self, x):
+        return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + self.eps)
+
+
+@mistake(NORM, "divide by the root mean square; do not multiply")
+class NormMultiplies(_Norm):
+    def normalise(self, x):
+        return x * torch.sqrt(_ms(x) + self.eps)
+
+
+@mistake(NORM, "use self.eps, the eps given to the constructor, not a constant")
+class NormFixedEps(_Norm):
+    def normalise(self, x):
+        return x * torch.rsqrt(_ms(x) + 1e-6)
+
+
+@mistake(
+    NORM,
+    "Qwen3's RMSNorm multiplies by the weight w (initialised to ones), not by 1 + w (the "
+    "zero-centred norm of Qwen3.5)",
+)
+class NormZeroCentred(_Norm):
+    def forward(self, x):
+        y = x.float()
+        return (1 + self.weight) * (y * torch.rsqrt(_ms(y) + self.eps)).to(x.dtype)
 
 
 # --- MLP (SwiGLU) -------------------------------------------------------------------------------
 
+MLP = "ch00.mlp"
 
-def _mlp_wrong(m, x: torch.Tensor) -> dict:
-    g, u, down = m.gate_proj(x), m.up_proj(x), m.down_proj
+
+def _mlp_shapes(MLP):
     return {
-        "SiLU goes on gate_proj's output (the gate), not on up_proj's": down(g * F.silu(u)),
-        "the gate is missing its SiLU": down(g * u),
-        "the activation is SiLU, z * sigmoid(z), not ReLU": down(F.relu(g) * u),
-        "the activation is SiLU, z * sigmoid(z), not GELU": down(F.gelu(g) * u),
-        "the activation is SiLU, z * sigmoid(z), not the plain sigmoid of the original GLU": down(
-            torch.sigmoid(g) * u
-        ),
-        "SiLU applies to the gate alone, before the product with up_proj's output": down(
-            F.silu(g * u)
-        ),
-        "no up_proj: the gate multiplies up_proj's output": down(F.silu(g)),
+        "parameters (checkpoint names and [out, in] shapes, no biases)": {
+            n: tuple(p.shape) for n, p in MLP(8, 16).named_parameters()
+        }
     }
 
 
-@public("ch00.mlp")
-def _(MLP):
-    m = MLP(8, 16)
-    shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
-    expect_equal(
-        "parameters (checkpoint names and [out, in] shapes, no biases)",
-        shapes,
-        {"gate_proj.weight": (16, 8), "up_proj.weight": (16, 8), "down_proj.weight": (8, 16)},
-    )
+def _mlp_inputs(hidden, inter):
+    def inputs(g):
+        weights = {
+            "gate_proj.weight": randn(inter, hidden, g=g) / math.sqrt(hidden),
+            "up_proj.weight": randn(inter, hidden, g=g) / math.sqrt(hidden),
+            "down_proj.weight": randn(hidden, inter, g=g) / math.sqrt(inter),
+        }
+        return weights, randn(2, 3, hidden, g=g)
+
+    return inputs
 
 
-def _mlp_vs_reference(MLP, hidden_size: int, inter: int, seed: int) -> None:
-    torch.manual_seed(seed)
-    r = mlp.MLP(hidden_size, inter)
-    m = MLP(hidden_size, inter)
-    m.load_state_dict(r.state_dict())
-    x = randn(2, 3, hidden_size, seed=seed + 7)
+def _mlp_output(MLP, weights, x):
+    inter, hidden = weights["gate_proj.weight"].shape
+    m = MLP(hidden, inter)
     with torch.no_grad():
-        _diagnose(
-            f"MLP({hidden_size}, {inter}) vs reference, same weights",
-            m(x),
-            r(x),
-            _mlp_wrong(r, x),
-            atol=1e-6,
-            rtol=1e-5,
-        )
+        for name, p in m.named_parameters():
+            p.copy_(weights.get(name, torch.zeros_like(p)))
+        return m(x)
 
 
-@public("ch00.mlp")
-def _(MLP):
-    _mlp_vs_reference(MLP, 8, 16, seed=0)
-
-
-@public("ch00.mlp")
-def _(MLP):
-    # worked by hand with all weights 1 and width 1: down(silu(x) * x) = x * sigmoid(x) * x
-    m = MLP(1, 1)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.fill_(1.0)
-    x = torch.tensor([[[2.0], [-1.0]]])
-    expect_close(
-        "MLP(1, 1) with unit weights: x^2 * sigmoid(x)",
-        m(x),
-        x * x * torch.sigmoid(x),
-        atol=1e-6,
-        rtol=1e-6,
+def _unit_weights(hidden=1, inter=1):
+    return lambda g: (
+        {k: torch.ones_like(v) for k, v in _mlp_inputs(hidden, inter)(g)[0].items()},
+        torch.tensor([[[2.0], [-1.0]]]),
     )
 
 
-@hidden("ch00.mlp")
-def _(MLP):
-    _mlp_vs_reference(MLP, 12, 20, seed=1)
-    torch.manual_seed(1)
-    m = MLP(12, 20)
-    x = randn(1, 5, 12, seed=8)
-    with torch.no_grad():
-        m.gate_proj.weight.zero_()
-    expect_close(
-        "a closed gate (silu(0) = 0) gives zero", m(x), torch.zeros(1, 5, 12), atol=0, rtol=0
+case(MLP, "parameters", lambda g: (), _mlp_shapes)
+case(MLP, "MLP(8, 16) with given weights", _mlp_inputs(8, 16), _mlp_output, atol=1e-6, rtol=1e-5)
+case(
+    MLP,
+    "MLP(1, 1) with unit weights: x^2 * sigmoid(x)",
+    _unit_weights(),
+    _mlp_output,
+    lambda weights, x: x * x * torch.sigmoid(x),
+    atol=1e-6,
+    rtol=1e-6,
+)
+case(
+    MLP,
+    "other widths",
+    lambda g: _mlp_inputs(4 * between(g, 1, 6), 4 * between(g, 2, 8))(g),
+    _mlp_output,
+    atol=1e-6,
+    rtol=1e-5,
+    hidden=True,
+)
+
+
+class _MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(self.mix(self.gate_proj(x), self.up_proj(x)))
+
+
+@mistake(MLP, "SiLU goes on gate_proj's output (the gate), not on up_proj's")
+class MLPSiluOnUp(_MLP):
+    def mix(self, gate, up):
+        return gate * F.silu(up)
+
+
+@mistake(MLP, "the gate is missing its SiLU")
+class MLPNoActivation(_MLP):
+    def mix(self, gate, up):
+        return gate * up
+
+
+@mistake(MLP, "the activation is SiLU, z * sigmoid(z), not ReLU")
+class MLPRelu(_MLP):
+    def mix(self, gate, up):
+        return F.relu(gate) * up
+
+
+@mistake(MLP, "the activation is SiLU, z * sigmoid(z), not GELU")
+class MLPGelu(_MLP):
+    def mix(self, gate, up):
+        return F.gelu(gate) * up
+
+
+@mistake(MLP, "the activation is SiLU, z * sigmoid(z), not the plain sigmoid of the original GLU")
+class MLPSigmoid(_MLP):
+    def mix(self, gate, up):
+        return torch.sigmoid(gate) * up
+
+
+@mistake(MLP, "SiLU applies to the gate alone, before the product with up_proj's output")
+class MLPSiluAfterProduct(_MLP):
+    def mix(self, gate, up):
+        return F.silu(gate * up)
+
+
+@mistake(MLP, "no up_proj: the gate multiplies up_proj's output")
+class MLPNoUp(_MLP):
+    def mix(self, gate, up):
+        return F.silu(gate)
+
+
+@mistake(MLP, "the projections have no biases (the checkpoint holds none)")
+class MLPWithBiases(_MLP):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__(hidden_size, intermediate_size, bias=True)
+
+    def mix(self, gate, up):
+        return F.silu(gate) * up
+
+
+# --- RoPE angles --------------------------------------------------------------------------------
+
+ANGLES = "ch00.rope_cos_sin"
+
+
+def _cos_sin(rope_cos_sin, positions, head_dim, theta, dtype=None):
+    got = (
+        rope_cos_sin(positions, head_dim, theta)
+        if dtype is None
+        else rope_cos_sin(positions, head_dim, theta, dtype)
     )
+    return named(got, "cos [T, head_dim]", "sin [T, head_dim]")
 
 
-# --- RoPE ---------------------------------------------------------------------------------------
-
-
-def _angles_wrong(positions: torch.Tensor, head_dim: int, theta: float) -> dict:
-    """cos of the typical wrong angle tables, by the idea they miss (float64)."""
-    p = positions.double()[:, None]
-    i = torch.arange(head_dim // 2, dtype=torch.float64)
-    right = theta ** (-2 * i / head_dim)
-    return {
-        "the frequency exponent: pair i turns at theta^(-2i/D), not theta^(-i/D)": torch.cat(
-            [p * theta ** (-i / head_dim)] * 2, -1
-        ),
-        "the frequency falls with i: theta^(-2i/D), a negative exponent": torch.cat(
-            [p * theta ** (2 * i / head_dim)] * 2, -1
-        ),
-        "half-split pairs: the angles of pairs 0..D/2-1 repeat in the second half "
-        "(dims i and i + D/2 share an angle), not interleaved [a0, a0, a1, a1, ...]": (
-            (p * right).repeat_interleave(2, -1)
-        ),
-    }
-
-
-def _cos_wrong(positions, head_dim, theta) -> dict:
-    return {k: v.cos() for k, v in _angles_wrong(positions, head_dim, theta).items()}
-
-
-@public("ch00.rope_cos_sin")
-def _(rope_cos_sin):
-    cos, sin = rope_cos_sin(torch.arange(5), 8, 10000.0)
-    expect_equal(
-        "shapes [T, head_dim] (both halves of each pair)",
-        (tuple(cos.shape), tuple(sin.shape)),
-        ((5, 8), (5, 8)),
-    )
-    expect_equal("dtype (default float32)", cos.dtype, torch.float32)
-    expect_close("position 0: cos = 1", cos[0], torch.ones(8), atol=0, rtol=0)
-    expect_close("position 0: sin = 0", sin[0], torch.zeros(8), atol=0, rtol=0)
-
-
-@public("ch00.rope_cos_sin")
-def _(rope_cos_sin):
-    # worked by hand: head_dim 4, theta 100: frequencies 100^0 = 1 and 100^(-2/4) = 0.1;
-    # at position 3 the angles are [3, 0.3] for both halves
-    pos = torch.tensor([3])
-    cos, sin = rope_cos_sin(pos, 4, 100.0)
+def _hand_angles(positions, head_dim, theta):  # frequencies 100^0 = 1 and 100^(-2/4) = 0.1
     angles = torch.tensor([[3.0, 0.3, 3.0, 0.3]])
-    _diagnose(
-        "cos at position 3 (head_dim 4, theta 100)",
-        cos,
-        angles.cos(),
-        _cos_wrong(pos, 4, 100.0),
-        atol=1e-6,
-        rtol=1e-6,
+    return {"cos [T, head_dim]": angles.cos(), "sin [T, head_dim]": angles.sin()}
+
+
+FAR = "angles in float32 at positions in the tens of thousands, bfloat16 cos and sin"
+case(
+    ANGLES,
+    "5 positions, head_dim 8 (both halves of each pair)",
+    lambda g: (torch.arange(5), 8, 10000.0),
+    _cos_sin,
+    atol=1e-6,
+    rtol=1e-5,
+)
+case(
+    ANGLES,
+    "hand-worked: position 3, head_dim 4, theta 100: angles [3, 0.3, 3, 0.3]",
+    lambda g: (torch.tensor([3]), 4, 100.0),
+    _cos_sin,
+    _hand_angles,
+    atol=1e-6,
+    rtol=1e-6,
+)
+case(
+    ANGLES,
+    "positions up to 4000, head_dim 16, theta 1e6",
+    lambda g: (torch.tensor([0, 1, 7, 100, 4000]), 16, 1e6),
+    _cos_sin,
+    atol=1e-6,
+    rtol=1e-5,
+)
+case(
+    ANGLES,
+    FAR,
+    lambda g: (torch.tensor([30000, 30001, 40959]), 128, 1e6, torch.bfloat16),
+    _cos_sin,
+    atol=1e-2,
+)
+case(
+    ANGLES,
+    "random positions",
+    lambda g: (
+        torch.randint(0, 20000, (7,), generator=g),
+        (64, 6)[between(g, 0, 1)],
+        (1e4, 500.0)[between(g, 0, 1)],
+    ),
+    _cos_sin,
+    atol=1e-4,
+    rtol=1e-4,
+    hidden=True,
+)
+case(
+    ANGLES,
+    f"{FAR} (other positions)",
+    lambda g: (torch.randint(17000, 32768, (3,), generator=g), 64, 1e4, torch.bfloat16),
+    _cos_sin,
+    atol=1e-2,
+    hidden=True,
+)
+
+
+def _inv_freq(head_dim, theta, exponent=lambda i, d: -2 * i / d):
+    return theta ** exponent(torch.arange(head_dim // 2, dtype=torch.float32), head_dim)
+
+
+def _halves(angles, dtype):
+    angles = torch.cat([angles, angles], -1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@mistake(ANGLES, "the frequency exponent: pair i turns at theta^(-2i/D), not theta^(-i/D)")
+def cos_sin_exponent_i_over_d(positions, head_dim, theta, dtype=torch.float32):
+    return _halves(
+        positions.float()[:, None] * _inv_freq(head_dim, theta, lambda i, d: -i / d), dtype
     )
-    expect_close(
-        "sin at position 3 (head_dim 4, theta 100)", sin, angles.sin(), atol=1e-6, rtol=1e-6
+
+
+@mistake(ANGLES, "the frequency falls with i: theta^(-2i/D), a negative exponent")
+def cos_sin_positive_exponent(positions, head_dim, theta, dtype=torch.float32):
+    return _halves(
+        positions.float()[:, None] * _inv_freq(head_dim, theta, lambda i, d: 2 * i / d), dtype
     )
 
 
-@public("ch00.rope_cos_sin")
-def _(rope_cos_sin):
-    pos = torch.tensor([0, 1, 7, 100, 4000])
-    (cos, sin), (rcos, rsin) = rope_cos_sin(pos, 16, 1e6), rope.rope_cos_sin(pos, 16, 1e6)
-    _diagnose(
-        "cos vs reference (head_dim 16, theta 1e6)",
-        cos,
-        rcos,
-        _cos_wrong(pos, 16, 1e6),
-        atol=1e-6,
-        rtol=1e-5,
-    )
-    expect_close("sin vs reference (head_dim 16, theta 1e6)", sin, rsin, atol=1e-6, rtol=1e-5)
+@mistake(
+    ANGLES,
+    "half-split pairs: the angles of pairs 0..D/2-1 repeat in the second half (dims i and i + D/2 "
+    "share an angle), not interleaved [a0, a0, a1, a1, ...]",
+)
+def cos_sin_interleaved(positions, head_dim, theta, dtype=torch.float32):
+    angles = (positions.float()[:, None] * _inv_freq(head_dim, theta)).repeat_interleave(2, -1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def _far_positions(rope_cos_sin, pos: torch.Tensor, head_dim: int, theta: float) -> None:
-    got = rope_cos_sin(pos, head_dim, theta, torch.bfloat16)
-    want = rope.rope_cos_sin(pos, head_dim, theta, torch.bfloat16)
-    expect_equal("dtype of cos follows the dtype argument", got[0].dtype, torch.bfloat16)
-    expect_equal("dtype of sin follows the dtype argument", got[1].dtype, torch.bfloat16)
-    for g, w, what in zip(got, want, ("cos", "sin"), strict=True):
-        expect_close(
-            f"{what} at positions {pos.tolist()} with bfloat16 output: compute the angles in "
-            "float32 and cast only cos and sin (bfloat16 rounds 30,001 to 29,952: a whole "
-            "radian is lost after a few positions)",
-            g.float(),
-            w.float(),
-            atol=1e-2,
-            rtol=0,
-        )
+@mistake(
+    ANGLES,
+    "compute the angles in float32 and cast only cos and sin (bfloat16 rounds 30,001 to 29,952: "
+    "a whole radian is lost after a few positions)",
+)
+def cos_sin_in_bfloat16(positions, head_dim, theta, dtype=torch.float32):
+    angles = positions.to(dtype)[:, None] * _inv_freq(head_dim, theta).to(dtype)
+    return _halves(angles, dtype)
 
 
-@public("ch00.rope_cos_sin", "angles in float32 at positions in the tens of thousands")
-def _(rope_cos_sin):
-    _far_positions(rope_cos_sin, torch.tensor([30000, 30001, 40959]), 128, 1e6)
+@mistake(ANGLES, "the dtype of cos and sin follows the dtype argument")
+def cos_sin_ignores_dtype(positions, head_dim, theta, dtype=torch.float32):
+    return rope.rope_cos_sin(positions, head_dim, theta)
 
 
-@hidden("ch00.rope_cos_sin")
-def _(rope_cos_sin):
-    pos = torch.randint(0, 20000, (7,), generator=torch.Generator().manual_seed(31))
-    for head_dim, theta in ((64, 10000.0), (6, 500.0)):
-        (cos, sin), (rcos, rsin) = (
-            rope_cos_sin(pos, head_dim, theta),
-            rope.rope_cos_sin(pos, head_dim, theta),
-        )
-        what = f"(head_dim {head_dim}, theta {theta:g}, random positions)"
-        expect_close(f"cos vs reference {what}", cos, rcos, atol=1e-4, rtol=1e-4)
-        expect_close(f"sin vs reference {what}", sin, rsin, atol=1e-4, rtol=1e-4)
-    _far_positions(rope_cos_sin, torch.tensor([17000, 25000, 32767]), 64, 1e4)
+@mistake(ANGLES, "cos and sin are [T, head_dim]: both halves of each pair, the angles repeated")
+def cos_sin_half_width(positions, head_dim, theta, dtype=torch.float32):
+    angles = positions.float()[:, None] * _inv_freq(head_dim, theta)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def _rotate_wrong(x: torch.Tensor) -> dict:
+# --- rotate_half --------------------------------------------------------------------------------
+
+ROTATE = "ch00.rotate_half"
+
+
+def _rotated(rotate_half, x):
+    return {"rotate_half(x)": rotate_half(x), "x after the call (not modified in place)": x}
+
+
+case(
+    ROTATE,
+    "rotate_half([1, 2, 3, 4]) (pairs (1, 3) and (2, 4))",
+    lambda g: (torch.tensor([1.0, 2.0, 3.0, 4.0]),),
+    _rotated,
+    lambda x: {
+        "rotate_half(x)": torch.tensor([-3.0, -4.0, 1.0, 2.0]),
+        "x after the call (not modified in place)": x,
+    },
+)
+case(ROTATE, "a [2, 3, 5, 8] tensor", lambda g: (randn(2, 3, 5, 8, g=g),), _rotated, seed=9)
+case(
+    ROTATE,
+    "other shapes",
+    lambda g: (randn(between(g, 2, 5), 2 * between(g, 1, 8), g=g),),
+    _rotated,
+    hidden=True,
+)
+
+
+@mistake(ROTATE, "one half changes sign: a quarter turn maps (a, b) to (-b, a)")
+def rotate_half_no_sign(x):
     x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x2, x1], dim=-1)
+
+
+@mistake(
+    ROTATE, "the sign is on the wrong half: a quarter turn maps (a, b) to (-b, a), not (b, -a)"
+)
+def rotate_half_wrong_sign(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x2, -x1], dim=-1)
+
+
+@mistake(ROTATE, "pairs are (i, i + D/2), the two halves, not neighbours (2i, 2i + 1)")
+def rotate_half_interleaved(x):
+    return torch.stack([-x[..., 1::2], x[..., 0::2]], -1).flatten(-2)
+
+
+@mistake(ROTATE, "split the LAST dimension (the head dimension), not the first")
+def rotate_half_first_dim(x):
+    x1, x2 = x.chunk(2, dim=0)
+    return torch.cat([-x2, x1], dim=0)
+
+
+@mistake(ROTATE, "x was modified in place: return a new tensor and leave the input as it is")
+def rotate_half_in_place(x):
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d].clone(), x[..., d:].clone()
+    x[..., :d], x[..., d:] = -x2, x1
+    return x
+
+
+# --- apply_rope ---------------------------------------------------------------------------------
+
+APPLY = "ch00.apply_rope"
+
+
+def _at(x, positions, theta=10000.0):
+    return (x, *rope.rope_cos_sin(torch.as_tensor(positions), x.shape[-1], theta))
+
+
+case(
+    APPLY,
+    "[2, 3, 6, 16] at positions 0..5",
+    lambda g: _at(randn(2, 3, 6, 16, g=g), range(6)),
+    atol=1e-6,
+    rtol=1e-5,
+    seed=11,
+)
+case(
+    APPLY,
+    "(1, 0) at positions 0, 1, 2 -> (cos p, sin p): a forward (anticlockwise) turn by p",
+    lambda g: _at(torch.tensor([1.0, 0.0]).expand(1, 1, 3, 2), [0, 1, 2]),
+    expected=lambda x, cos, sin: torch.stack([cos[:, 0], sin[:, 0]], -1).expand(1, 1, 3, 2),
+    atol=1e-6,
+    rtol=1e-6,
+)
+
+
+def _rope_hidden(g):
+    start = between(g, 0, 4000)
+    return _at(randn(3, 1, 9, 4 * between(g, 1, 8), g=g), range(start, start + 9), 1e6)
+
+
+case(APPLY, "other shapes and positions", _rope_hidden, atol=1e-5, rtol=1e-5, hidden=True)
+
+
+@mistake(
+    APPLY,
+    "rotate forwards: each pair turns by +angle (a cos - b sin, b cos + a sin); this turns it "
+    "backwards",
+)
+def apply_rope_backwards(x, cos, sin):
+    return x * cos - rope.rotate_half(x) * sin
+
+
+@mistake(
+    APPLY, "cos multiplies x itself and sin its quarter-turned partner, not the other way round"
+)
+def apply_rope_swapped(x, cos, sin):
+    return x * sin + rope.rotate_half(x) * cos
+
+
+@mistake(APPLY, "pairs are (i, i + D/2), not neighbours (2i, 2i + 1)")
+def apply_rope_interleaved(x, cos, sin):
     even, odd = x[..., 0::2], x[..., 1::2]
-    return {
-        "one half changes sign: a quarter turn maps (a, b) to (-b, a)": torch.cat([x2, x1], -1),
-        "the sign is on the wrong half: a quarter turn maps (a, b) to (-b, a), not (b, -a)": (
-            torch.cat([x2, -x1], -1)
-        ),
-        "pairs are (i, i + D/2), the two halves, not neighbours (2i, 2i + 1)": torch.stack(
-            [-odd, even], -1
-        ).flatten(-2),
-    }
+    c, s = cos[..., 0::2], sin[..., 0::2]
+    return torch.stack([even * c - odd * s, odd * c + even * s], -1).flatten(-2)
 
 
-@public("ch00.rotate_half")
-def _(rotate_half):
-    x = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    _diagnose(
-        "rotate_half([1, 2, 3, 4]) (pairs (1, 3) and (2, 4))",
-        rotate_half(x),
-        torch.tensor([-3.0, -4.0, 1.0, 2.0]),
-        _rotate_wrong(x),
-        atol=0,
-        rtol=0,
-    )
-
-
-@public("ch00.rotate_half")
-def _(rotate_half):
-    x = randn(2, 3, 5, 8, seed=9)
-    want, wrong = rope.rotate_half(x), _rotate_wrong(x)
-    wrong["split the LAST dimension (the head dimension), not the first"] = torch.cat(
-        [-x.chunk(2, 0)[1], x.chunk(2, 0)[0]], 0
-    )
-    _diagnose(
-        "rotate_half vs reference on [2, 3, 5, 8]",
-        rotate_half(x),
-        want,
-        wrong,
-        atol=0,
-        rtol=0,
-    )
-
-
-@hidden("ch00.rotate_half")
-def _(rotate_half):
-    x = randn(4, 6, seed=10)
-    before = x.clone()
-    twice = rotate_half(rotate_half(x))
-    expect_close("x is not modified in place", x, before, atol=0, rtol=0)
-    expect_close("rotating twice negates", twice, -x, atol=0, rtol=0)
-    expect_close(
-        "x . rotate_half(x) = 0 (a quarter turn)",
-        (x * rotate_half(x)).sum(-1),
-        torch.zeros(4),
-        atol=1e-5,
-        rtol=0,
-    )
-
-
-def _rope(apply_rope, x, positions, theta=10000.0):
-    cos, sin = rope.rope_cos_sin(torch.as_tensor(positions), x.shape[-1], theta)
-    return apply_rope(x, cos, sin)
-
-
-def _rope_wrong(x, cos, sin) -> dict:
-    rh = rope.rotate_half(x)
-    even, odd = x[..., 0::2], x[..., 1::2]
-    c, s = cos[..., 0::2], sin[..., 0::2]  # an (interleaved) pair's angle
-    return {
-        "rotate forwards: each pair turns by +angle (a cos - b sin, b cos + a sin); "
-        "this turns it backwards": x * cos - rh * sin,
-        "cos multiplies x itself and sin its quarter-turned partner, not the other way round": (
-            x * sin + rh * cos
-        ),
-        "the rotation needs both terms: x alone times cos is not a rotation": x * cos,
-        "pairs are (i, i + D/2), not neighbours (2i, 2i + 1)": torch.stack(
-            [even * c - odd * s, odd * c + even * s], -1
-        ).flatten(-2),
-    }
-
-
-@public("ch00.apply_rope")
-def _(apply_rope):
-    x = randn(2, 3, 6, 16, seed=11)
-    cos, sin = rope.rope_cos_sin(torch.arange(6), 16, 10000.0)
-    _diagnose(
-        "apply_rope vs reference",
-        apply_rope(x, cos, sin),
-        rope.apply_rope(x, cos, sin),
-        _rope_wrong(x, cos, sin),
-        atol=1e-6,
-        rtol=1e-5,
-    )
-
-
-@public("ch00.apply_rope")
-def _(apply_rope):
-    # worked by hand: head_dim 2 is one pair rotated by the angle p (theta irrelevant)
-    x = torch.tensor([1.0, 0.0]).expand(1, 1, 3, 2)
-    got = _rope(apply_rope, x, [0, 1, 2])
-    p = torch.tensor([0.0, 1.0, 2.0])
-    expect_close(
-        "(1, 0) at positions 0, 1, 2 -> (cos p, sin p): a forward (anticlockwise) turn by p",
-        got[0, 0],
-        torch.stack([p.cos(), p.sin()], -1),
-        atol=1e-6,
-        rtol=1e-6,
-    )
-    y = randn(1, 2, 4, 8, seed=12)
-    expect_close(
-        "a rotation keeps the length of every vector",
-        _rope(apply_rope, y, range(4)).norm(dim=-1),
-        y.norm(dim=-1),
-        atol=1e-5,
-        rtol=0,
-    )
-
-
-@hidden("ch00.apply_rope")
-def _(apply_rope):
-    q, k = randn(1, 1, 1, 32, seed=13), randn(1, 1, 1, 32, seed=14)
-    x = randn(1, 2, 1, 32, seed=15)
-    expect_close(
-        "position 0 leaves the vector unchanged", _rope(apply_rope, x, [0]), x, atol=0, rtol=0
-    )
-    s1 = (_rope(apply_rope, q, [7]) * _rope(apply_rope, k, [3])).sum()
-    s2 = (_rope(apply_rope, q, [107]) * _rope(apply_rope, k, [103])).sum()
-    expect_close(
-        "q.k depends on the distance only: (7, 3) vs (107, 103)", s2, s1, atol=1e-4, rtol=1e-4
-    )
-    y = randn(3, 1, 9, 12, seed=16)
-    cos, sin = rope.rope_cos_sin(torch.arange(40, 49), 12, 1e6)
-    expect_close(
-        "apply_rope vs reference on [3, 1, 9, 12] at positions 40..48",
-        apply_rope(y, cos, sin),
-        rope.apply_rope(y, cos, sin),
-        atol=1e-5,
-        rtol=1e-5,
-    )
+@mistake(APPLY, "the rotation needs both terms: x alone times cos is not a rotation")
+def apply_rope_cos_only(x, cos, sin):
+    return x * cos
 
 
 # --- count_params -------------------------------------------------------------------------------
 
-# the released config.json files (assets/configs)
-_CONFIGS = ASSETS / "configs"
-_QWEN3_06B = json.loads((_CONFIGS / "qwen3-0.6b" / "config.json").read_text())
-_QWEN25_05B = json.loads((_CONFIGS / "qwen2.5-0.5b" / "config.json").read_text())
-_KEYS = ["embed_tokens", "layers", "lm_head", "norm", "per_layer", "total", "unique"]
-
-
-def _count(c: dict, mistake: str = "") -> dict:
-    """The parameter count written out again, independently of the reference, with one typical
-    `mistake` made on purpose (the names are the ideas the diagnosis reports)."""
-    h, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
-    n_q = c["num_attention_heads"]
-    n_kv = n_q if mistake == "gqa" else c.get("num_key_value_heads", n_q)
-    d = h // n_q if mistake == "head_dim" else (c.get("head_dim") or h // n_q)
-    qwen2 = c["model_type"] == "qwen2"
-    bias = not qwen2 and c.get("attention_bias", False)
-    per_layer = 2 * h * n_q * d + 2 * h * n_kv * d  # q, o; k, v
-    if qwen2 and mistake != "qkv_bias":
-        per_layer += n_q * d + 2 * n_kv * d
-    if not qwen2 and mistake != "qk_norm":
-        per_layer += 2 * d
-    if bias and mistake != "attention_bias":
-        per_layer += n_q * d + 2 * n_kv * d + (0 if mistake == "o_bias" else h)
-    per_layer += (2 if mistake == "mlp" else 3) * h * inter
-    per_layer += {"layer_norms": 0, "one_norm": h}.get(mistake, 2 * h)
-    final = 0 if mistake == "final_norm" else h
-    layers = per_layer * c["num_hidden_layers"]
-    total = vocab * h + layers + final + vocab * h
-    tied = c.get("tie_word_embeddings", False)
-    unique = total - vocab * h if tied else total
-    if mistake == "unique_twice":
-        unique = total
-    if mistake == "total_once":
-        total = unique
-    if mistake == "untied_once":
-        unique = total - vocab * h
-    return {
-        "embed_tokens": vocab * h,
-        "per_layer": per_layer,
-        "layers": layers,
-        "norm": final,
-        "lm_head": vocab * h,
-        "total": total,
-        "unique": unique,
-    }
-
-
-_COUNT_IDEAS = {
-    "qkv_bias": "Qwen2 / Qwen2.5 have biases on q_proj, k_proj and v_proj (n_q*d + 2*n_kv*d "
-    "per layer)",
-    "qk_norm": "Qwen3 has QK-Norm: q_norm and k_norm, one RMSNorm weight of head_dim each per "
-    "layer",
-    "attention_bias": "attention_bias: true adds biases on q, k, v and o",
-    "o_bias": "attention_bias: true puts a bias on o_proj too (hidden_size)",
-    "head_dim": "head_dim comes from the config when it is there (Qwen3-0.6B: 128, not "
-    "hidden_size / heads = 64)",
-    "gqa": "k_proj and v_proj have num_key_value_heads heads (grouped-query attention), not "
-    "num_attention_heads",
-    "mlp": "SwiGLU has three matrices (gate, up, down)",
-    "layer_norms": "each layer has two RMSNorms (input_layernorm, post_attention_layernorm)",
-    "one_norm": "each layer has two RMSNorms (input_layernorm, post_attention_layernorm)",
-    "final_norm": "the final norm (model.norm, hidden_size) counts too",
-    "unique_twice": "unique counts the tied head once: it is the embedding matrix",
-    "total_once": "total counts the head even when tied (the checkpoint stores the copy)",
-    "untied_once": "an untied head (tie_word_embeddings false) is a matrix of its own: unique "
-    "counts it",
-}
-
-
-def _expect_counts(what: str, got: dict, config: dict, keys=None) -> None:
-    """Compare with the independent count; name the idea when a known mistake explains it."""
-    want = _count(config)
-    keys = keys or _KEYS
-    if not isinstance(got, dict):
-        raise AssertionError(f"{what}: expected a dict with keys {_KEYS}, got {type(got).__name__}")
-    missing = [k for k in keys if k not in got]
-    if missing:
-        raise AssertionError(f"{what}: missing keys {missing} (expected {_KEYS})")
-    for k in keys:
-        if got[k] == want[k]:
-            continue
-        ideas = [
-            idea
-            for m, idea in _COUNT_IDEAS.items()
-            if _count(config, m)[k] != want[k] and _count(config, m)[k] == got[k]
-        ]
-        hint = f" — {ideas[0]}" if ideas else ""
-        shown = f"{got[k]:,}" if isinstance(got[k], int) else repr(got[k])
-        raise AssertionError(f"{what}, {k!r}: expected {want[k]:,}, got {shown}{hint}")
-
-
-@public("ch00.count_params")
-def _(count_params):
-    c = count_params(dict(_QWEN3_06B))
-    expect_equal("keys of the result", sorted(c) if isinstance(c, dict) else c, _KEYS)
-    expect_equal("Qwen3-0.6B embed_tokens (151,936 x 1,024)", c["embed_tokens"], 155_582_464)
-    _expect_counts("Qwen3-0.6B", c, _QWEN3_06B, ["per_layer", "layers", "norm", "total"])
-    expect_equal("Qwen3-0.6B total (tied head counted twice)", c["total"], 751_632_384)
-    _expect_counts("Qwen3-0.6B", c, _QWEN3_06B)
-    expect_equal("Qwen3-0.6B unique (the tied head counted once)", c["unique"], 596_049_920)
-
-
-@public("ch00.count_params")
-def _(count_params):
-    c = count_params(dict(_QWEN25_05B))
-    _expect_counts("Qwen2.5-0.5B (QKV biases, head_dim = 896 / 14)", c, _QWEN25_05B)
-    expect_equal("Qwen2.5-0.5B unique", c["unique"], 494_032_768)
-    expect_equal(
-        "Qwen2.5-0.5B: the whole result vs reference", c, lab.count_params(dict(_QWEN25_05B))
-    )
-
-
-def _model_count(d: dict) -> tuple[int, int]:
-    """(unique, total) of a real qwen_mini model built from the (tiny) config."""
-    m = CausalLM(config_from_dict(d))
-    unique = sum(p.numel() for p in m.parameters())
-    total = sum(p.numel() for _, p in m.named_parameters(remove_duplicate=False))
-    return unique, total
-
-
-_TINY = dict(
+COUNT = "ch00.count_params"
+_CONFIGS = ASSETS / "configs"  # the released config.json files
+QWEN3_06B = json.loads((_CONFIGS / "qwen3-0.6b" / "config.json").read_text())
+QWEN25_05B = json.loads((_CONFIGS / "qwen2.5-0.5b" / "config.json").read_text())
+TINY = dict(
     vocab_size=50,
     hidden_size=12,
     intermediate_size=20,
@@ -863,171 +826,305 @@ _TINY = dict(
 )
 
 
-def _count_cases(count_params, cases: dict) -> None:
-    for what, d in cases.items():
-        c = count_params(dict(d))
-        _expect_counts(what, c, d)
-        unique, total = _model_count(d)
-        expect_equal(f"{what}: unique vs the parameters of a built model", c["unique"], unique)
-        expect_equal(f"{what}: total (a tied head counted twice)", c["total"], total)
+def _built(count_params, config):
+    c = count_params(dict(config))
+    return {"unique": c["unique"], "total (a tied head counted twice)": c["total"]}
 
 
-@public("ch00.count_params", "an untied Qwen3 with attention_bias: true")
-def _(count_params):
-    d = dict(
-        _TINY,
+def _model_count(config):
+    """unique and total of a qwen_mini model built from the (tiny) config."""
+    m = CausalLM(config_from_dict(config))
+    return {
+        "unique": sum(p.numel() for p in m.parameters()),
+        "total (a tied head counted twice)": sum(
+            p.numel() for _, p in m.named_parameters(remove_duplicate=False)
+        ),
+    }
+
+
+ATTENTION_BIAS = dict(
+    TINY,
+    model_type="qwen3",
+    num_key_value_heads=1,
+    head_dim=8,
+    attention_bias=True,
+    tie_word_embeddings=False,
+)
+case(
+    COUNT,
+    "Qwen3-0.6B (embed_tokens 155,582,464; total 751,632,384; unique 596,049,920)",
+    lambda g: (QWEN3_06B,),
+    lambda count_params, config: count_params(dict(config)),
+)
+case(
+    COUNT,
+    "Qwen2.5-0.5B (QKV biases, head_dim = 896 / 14)",
+    lambda g: (QWEN25_05B,),
+    lambda count_params, config: count_params(dict(config)),
+)
+case(
+    COUNT,
+    "an untied Qwen3 with attention_bias: true",
+    lambda g: (ATTENTION_BIAS,),
+    lambda count_params, config: count_params(dict(config)),
+)
+case(
+    COUNT,
+    "an untied Qwen3 with attention_bias: true, vs a built model",
+    lambda g: (ATTENTION_BIAS,),
+    _built,
+    _model_count,
+)
+HIDDEN_CONFIGS = [
+    dict(TINY, model_type="qwen3", num_key_value_heads=3, tie_word_embeddings=True),
+    dict(TINY, model_type="qwen2", tie_word_embeddings=False),
+    dict(
+        TINY,
         model_type="qwen3",
+        num_attention_heads=4,
         num_key_value_heads=1,
-        head_dim=8,
-        attention_bias=True,
-        tie_word_embeddings=False,
+        head_dim=6,
+        num_hidden_layers=5,
+        tie_word_embeddings=True,
+    ),
+]
+for n, config in enumerate(HIDDEN_CONFIGS):
+    case(
+        COUNT,
+        f"tiny configs vs a built model {n + 1}",
+        lambda g, config=config: (config,),
+        _built,
+        _model_count,
+        hidden=True,
     )
-    _count_cases(count_params, {"qwen3, untied, attention_bias (biases on q, k, v and o)": d})
 
 
-@hidden("ch00.count_params")
-def _(count_params):
-    _count_cases(
-        count_params,
-        {
-            "qwen3, tied, no head_dim key": dict(
-                _TINY, model_type="qwen3", num_key_value_heads=3, tie_word_embeddings=True
-            ),
-            "qwen2, untied, no num_key_value_heads": dict(
-                _TINY, model_type="qwen2", tie_word_embeddings=False
-            ),
-            "qwen3, tied, GQA 4:1, head_dim 6, 5 layers": dict(
-                _TINY,
-                model_type="qwen3",
-                num_attention_heads=4,
-                num_key_value_heads=1,
-                head_dim=6,
-                num_hidden_layers=5,
-                tie_word_embeddings=True,
-            ),
-        },
-    )
+def _counts(config, *, qkv_bias=True, qk_norm=True, o_bias=True, head_dim_key=True, gqa=True,
+            norms=2, final=True, tie="right", attention_bias=True):  # fmt: skip
+    """The count with one typical mistake made on purpose."""
+    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    n_q = config["num_attention_heads"]
+    n_kv = config.get("num_key_value_heads", n_q) if gqa else n_q
+    d = (config.get("head_dim") or h // n_q) if head_dim_key else h // n_q
+    per_layer = 2 * h * n_q * d + 2 * h * n_kv * d + 3 * h * inter + norms * h
+    if config["model_type"] == "qwen2":
+        per_layer += (n_q * d + 2 * n_kv * d) if qkv_bias else 0
+    else:
+        per_layer += 2 * d if qk_norm else 0
+        if attention_bias and config.get("attention_bias", False):
+            per_layer += n_q * d + 2 * n_kv * d + (h if o_bias else 0)
+    c = {"embed_tokens": vocab * h, "per_layer": per_layer, "norm": h if final else 0}
+    c["layers"] = per_layer * config["num_hidden_layers"]
+    c["lm_head"] = vocab * h
+    c["total"] = 2 * vocab * h + c["layers"] + c["norm"]
+    tied = config.get("tie_word_embeddings", False)
+    c["unique"] = {
+        "right": c["total"] - (vocab * h if tied else 0),
+        "twice": c["total"],
+        "always_once": c["total"] - vocab * h,
+        "total_once": c["total"] - (vocab * h if tied else 0),
+    }[tie]
+    if tie == "total_once":
+        c["total"] = c["unique"]
+    return c
+
+
+for name, kw, idea in [
+    (
+        "no_qkv_bias",
+        dict(qkv_bias=False),
+        "Qwen2 / Qwen2.5 have biases on q_proj, k_proj and v_proj (n_q*d + 2*n_kv*d per layer)",
+    ),
+    (
+        "no_qk_norm",
+        dict(qk_norm=False),
+        "Qwen3 has QK-Norm: q_norm and k_norm, one RMSNorm weight of head_dim each per layer",
+    ),
+    (
+        "no_o_bias",
+        dict(o_bias=False),
+        "attention_bias: true puts a bias on o_proj too (hidden_size)",
+    ),
+    (
+        "ignores_attention_bias",
+        dict(attention_bias=False),
+        "attention_bias: true adds biases on q, k, v and o",
+    ),
+    (
+        "head_dim_from_hidden",
+        dict(head_dim_key=False),
+        "head_dim comes from the config when it is there (Qwen3-0.6B: 128, not hidden_size / "
+        "heads = 64)",
+    ),
+    (
+        "no_gqa",
+        dict(gqa=False),
+        "k_proj and v_proj have num_key_value_heads heads (grouped-query attention), not "
+        "num_attention_heads",
+    ),
+    (
+        "one_norm_per_layer",
+        dict(norms=1),
+        "each layer has two RMSNorms (input_layernorm, post_attention_layernorm)",
+    ),
+    ("no_final_norm", dict(final=False), "the final norm (model.norm, hidden_size) counts too"),
+    (
+        "tied_head_twice",
+        dict(tie="twice"),
+        "unique counts the tied head once: it is the embedding matrix",
+    ),
+    (
+        "untied_head_once",
+        dict(tie="always_once"),
+        "an untied head (tie_word_embeddings false) is a matrix of its own: unique counts it",
+    ),
+    (
+        "total_once",
+        dict(tie="total_once"),
+        "total counts the head even when tied (the checkpoint stores the copy)",
+    ),
+]:
+    mistake(COUNT, idea, name=f"count_{name}")(lambda config, kw=kw: _counts(config, **kw))
+
+
+@mistake(COUNT, "a config may lack num_key_value_heads: every head has its own k, v", public=False)
+def count_requires_kv_heads(config):  # every public config has the key
+    if "num_key_value_heads" not in config:
+        raise KeyError("num_key_value_heads")
+    return _counts(config)
 
 
 # --- zero-layer model ---------------------------------------------------------------------------
 
-
-def _tiny_tied_model(seed: int, vocab: int = 40, hidden: int = 16) -> CausalLM:
-    cfg = Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=32,
-        num_hidden_layers=0,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        max_position_embeddings=64,
-        rope_theta=10000.0,
-    )
-    torch.manual_seed(seed)
-    m = CausalLM(cfg)
-    with torch.no_grad():
-        m.model.norm.weight.copy_(1 + randn(hidden, seed=seed) / 4)
-    return m.eval()
+ZERO = "ch00.zero_layer_lm"
 
 
-def _zero_vs_model(ZeroLayerLM, m: CausalLM, ids: torch.Tensor) -> None:
-    emb, norm = m.model.embed_tokens, m.model.norm
-    z = ZeroLayerLM(emb, norm)
-    own = [
-        n
-        for n, p in z.named_parameters()
-        if p is not emb.weight and p is not norm.weight  # anything but the two shared tensors
-    ]
-    if own:
-        raise AssertionError(
-            f"weight tying: the head IS the embedding matrix, but your model has parameters of "
-            f"its own: {own}. Use embed_tokens.weight as the head's weight."
+def _tied(vocab, hidden, batch, T):
+    def inputs(g):
+        cfg = Config(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=32,
+            num_hidden_layers=0,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=64,
+            rope_theta=10000.0,
         )
-    with torch.no_grad():
-        got, want = z(ids), m(ids)
-        x = emb(ids)
-        wrong = {
-            "the final norm comes before the head: embedding -> norm -> head": F.linear(
-                x, emb.weight
-            ),
-            "return logits (scores), not probabilities: no softmax": want.softmax(-1),
-            "return logits (scores), not log-probabilities": want.log_softmax(-1),
-            "the norm goes between the embedding and the head, not after the head": norm(
-                F.linear(x, emb.weight)
-            )
-            if emb.weight.shape[0] == norm.weight.shape[0]
-            else want + 1,
-        }
-    B, T = ids.shape
-    expect_equal("output shape [B, T, vocab]", tuple(got.shape), (B, T, emb.weight.shape[0]))
-    _diagnose(
-        "vs a qwen_mini model with num_hidden_layers = 0",
-        got,
-        want,
-        wrong,
-        atol=1e-5,
-        rtol=1e-5,
-    )
+        m = CausalLM(cfg)
+        with torch.no_grad():
+            m.model.embed_tokens.weight.copy_(randn(vocab, hidden, g=g))
+            m.model.norm.weight.copy_(1 + randn(hidden, g=g) / 4)
+        return m.model.embed_tokens, m.model.norm, torch.randint(0, vocab, (batch, T), generator=g)
+
+    return inputs
 
 
-@public("ch00.zero_layer_lm")
-def _(ZeroLayerLM):
-    m = _tiny_tied_model(0)
-    _zero_vs_model(ZeroLayerLM, m, torch.tensor([[1, 5, 9, 39], [0, 2, 2, 7]]))
-
-
-@public("ch00.zero_layer_lm", "weight tying: the head reads the embedding itself, not a copy")
-def _(ZeroLayerLM):
-    emb = torch.nn.Embedding(12, 6)
-    with torch.no_grad():
-        emb.weight.copy_(randn(12, 6, seed=2))
-    z = ZeroLayerLM(emb, torch.nn.Identity())
-    ids = torch.tensor([[3, 0, 11]])
+def _zero(ZeroLayerLM, emb, norm, ids):
+    z = ZeroLayerLM(emb, norm)
+    own = [n for n, p in z.named_parameters() if p is not emb.weight and p is not norm.weight]
     with torch.no_grad():
         before = z(ids)
         emb.weight.mul_(2)  # training changes the embedding: the tied head changes with it
-        expect_close(
-            "weight tying: after scaling the embedding by 2 the logits scale by 4 (the head "
-            "must be the embedding matrix itself, not a copy taken at construction)",
-            z(ids),
-            4 * before,
-            atol=1e-4,
-            rtol=1e-5,
-        )
+        after = z(ids)
+    return {
+        "parameters of its own (weight tying: the head IS the embedding matrix)": own,
+        "logits [B, T, vocab]": before,
+        "logits after the embedding is scaled by 2 (4x: the head reads the embedding)": after,
+    }
 
 
-@public("ch00.zero_layer_lm")
-def _(ZeroLayerLM):
-    # rows of equal length and a unit norm weight: by Cauchy-Schwarz each token scores itself
-    # highest, so the model predicts its input back
-    emb = torch.nn.Embedding(30, 16)
+def _self_predicting(g):  # rows of equal length, unit norm weight: each token scores itself highest
+    emb = nn.Embedding(30, 16)
     with torch.no_grad():
-        emb.weight.copy_(F.normalize(randn(30, 16, seed=1), dim=-1))
-    z = ZeroLayerLM(emb, norms.RMSNorm(16))
-    ids = torch.arange(30)[None]
-    with torch.no_grad():
-        expect_equal(
-            "top-1 prediction of every token is itself", z(ids).argmax(-1).tolist(), ids.tolist()
-        )
+        emb.weight.copy_(F.normalize(randn(30, 16, g=g), dim=-1))
+    return emb, norms.RMSNorm(16), torch.arange(30)[None]
 
 
-@hidden("ch00.zero_layer_lm")
-def _(ZeroLayerLM):
-    # with an identity norm the logits are exactly e_i . e_j: the head is the embedding itself
-    emb = torch.nn.Embedding(12, 6)
-    with torch.no_grad():
-        emb.weight.copy_(randn(12, 6, seed=2))
-    z = ZeroLayerLM(emb, torch.nn.Identity())
-    ids = torch.tensor([[3, 0, 11]])
-    with torch.no_grad():
-        expect_close(
-            "identity norm: logits = E[ids] @ E.T",
-            z(ids),
-            (emb.weight[ids] @ emb.weight.T),
-            atol=1e-5,
-            rtol=1e-5,
-        )
-    m = _tiny_tied_model(3, vocab=57, hidden=24)
-    ids = torch.randint(0, 57, (3, 6), generator=torch.Generator().manual_seed(5))
-    _zero_vs_model(ZeroLayerLM, m, ids)
+case(
+    ZERO,
+    "vs a qwen_mini model with num_hidden_layers = 0",
+    _tied(40, 16, 2, 4),
+    _zero,
+    atol=1e-5,
+    rtol=1e-5,
+)
+case(
+    ZERO,
+    "top-1 prediction of every token is itself",
+    _self_predicting,
+    lambda Z, emb, norm, ids: Z(emb, norm)(ids).argmax(-1).tolist(),
+    lambda emb, norm, ids: ids.tolist(),
+    seed=1,
+)
+case(
+    ZERO,
+    "other sizes",
+    lambda g: _tied(between(g, 20, 60), 8 * between(g, 2, 4), 3, 6)(g),
+    _zero,
+    atol=1e-5,
+    rtol=1e-5,
+    hidden=True,
+)
+
+
+class _Zero(nn.Module):
+    def __init__(self, embed_tokens, norm):
+        super().__init__()
+        self.embed_tokens, self.norm = embed_tokens, norm
+
+    def forward(self, ids):
+        return F.linear(self.norm(self.embed_tokens(ids)), self.embed_tokens.weight)
+
+
+@mistake(
+    ZERO,
+    "weight tying: the head IS the embedding matrix; use embed_tokens.weight as the head's "
+    "weight, not a head of its own",
+)
+class ZeroUntiedHead(_Zero):
+    def __init__(self, embed_tokens, norm):
+        super().__init__(embed_tokens, norm)
+        v, h = embed_tokens.weight.shape
+        self.lm_head = nn.Linear(h, v, bias=False)
+
+    def forward(self, ids):
+        return self.lm_head(self.norm(self.embed_tokens(ids)))
+
+
+@mistake(
+    ZERO,
+    "weight tying: the head must be the embedding matrix itself, not a copy taken at construction",
+)
+class ZeroCopiedHead(_Zero):
+    def __init__(self, embed_tokens, norm):
+        super().__init__(embed_tokens, norm)
+        self.head = embed_tokens.weight.detach().clone()
+
+    def forward(self, ids):
+        return F.linear(self.norm(self.embed_tokens(ids)), self.head)
+
+
+@mistake(ZERO, "the final norm comes before the head: embedding -> norm -> head")
+class ZeroNoNorm(_Zero):
+    def forward(self, ids):
+        return F.linear(self.embed_tokens(ids), self.embed_tokens.weight)
+
+
+@mistake(ZERO, "return logits (scores), not probabilities: no softmax")
+class ZeroSoftmax(_Zero):
+    def forward(self, ids):
+        return super().forward(ids).softmax(-1)
+
+
+@mistake(ZERO, "return logits (scores), not log-probabilities")
+class ZeroLogSoftmax(_Zero):
+    def forward(self, ids):
+        return super().forward(ids).log_softmax(-1)
+
+
+@mistake(ZERO, "logits of every position: the output shape is [B, T, vocab], not only the last one")
+class ZeroLastOnly(_Zero):
+    def forward(self, ids):
+        return super().forward(ids)[:, -1:]

@@ -1,8 +1,10 @@
 """Checks for chapter 1 (attention: causal mask, MHA -> MQA -> GQA, KV cache, KV bytes).
 
-Every check tests the object it is given on small seeded inputs. The expected values come from
-the package reference, from values worked out by hand, and from independent references such as
-`torch.nn.functional.scaled_dot_product_attention`.
+The pure exercises are lists of cases with a catalogue of typical mistakes whose ideas the messages
+name; the stateful ones (the KV cache, the attention module, the decoder layer, the model's forward,
+the loader, decoding) are check functions that diagnose stage by stage. The expected values come
+from the package reference, from values worked out by hand, and from independent references such
+as `torch.nn.functional.scaled_dot_product_attention`.
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ from qwen_mini.architectures import ARCHITECTURES
 from qwen_mini.checkpoint import meta_model
 from qwen_mini.config import Config, RopeScaling
 from qwen_mini.course.checking import (
+    between,
+    case,
     expect_close,
     expect_equal,
     hidden,
+    mistake,
     public,
     randn,
     register,
@@ -94,69 +99,116 @@ register(
 
 # --- causal_mask --------------------------------------------------------------------------------
 
-
-@public("ch01.causal_mask")
-def _(causal_mask):
-    """offset, diagonal and dtype"""
-    got = causal_mask(2, 5)
-    if not isinstance(got, torch.Tensor):
-        raise AssertionError(f"causal_mask must return a tensor, got {type(got).__name__}")
-    if got.dtype != torch.bool:
-        raise AssertionError(
-            f"causal_mask must be bool (True = attend), got {got.dtype}: masked_fill and "
-            "F.scaled_dot_product_attention read a float mask as numbers to add, not as allowed/not"
-        )
-    if tuple(got.shape) == (2, 5) and got.tolist() == torch.ones(2, 5).tril().bool().tolist():
-        raise AssertionError(
-            "offset mask: causal_mask(2, 5) is the top-left triangle (what is_causal=True does); "
-            "the 2 new queries are positions 3 and 4, after 3 cached keys, and see them all"
-        )
-    if causal_mask(3, 3).tolist() == torch.ones(3, 3).tril(-1).bool().tolist():
-        raise AssertionError("the diagonal: a token may attend to itself (key position <= query)")
+MASK = "ch01.causal_mask"
 
 
-@public("ch01.causal_mask")
-def _(causal_mask):
-    m = causal_mask(3, 3)
-    expect_equal("causal_mask(3, 3).dtype", m.dtype, torch.bool)
-    expect_equal(
-        "causal_mask(3, 3)",
-        m.tolist(),
-        [[True, False, False], [True, True, False], [True, True, True]],
+def _mask(causal_mask, t_new, t_total):
+    return causal_mask(t_new, t_total)
+
+
+def _allowed(*rows):
+    return lambda t_new, t_total: torch.tensor(rows, dtype=torch.bool)
+
+
+case(MASK, "causal_mask(3, 3)", lambda g: (3, 3), _mask, _allowed([1, 0, 0], [1, 1, 0], [1, 1, 1]))
+# two new queries at positions 3 and 4, after 3 cached keys: both see the cache
+case(
+    MASK,
+    "causal_mask(2, 5): 2 new queries after 3 cached keys",
+    lambda g: (2, 5),
+    _mask,
+    _allowed([1, 1, 1, 1, 0], [1, 1, 1, 1, 1]),
+)
+case(
+    MASK,
+    "causal_mask(1, 4) (one decoding step sees everything)",
+    lambda g: (1, 4),
+    _mask,
+    _allowed([1, 1, 1, 1]),
+)
+for n in range(3):
+    case(
+        MASK,
+        f"other sizes {n + 1}",
+        lambda g: (between(g, 1, 8), 0),
+        lambda causal_mask, t_new, _: causal_mask(t_new, 2 * t_new, device="cpu"),
+        lambda t_new, _: torch.ones(t_new, 2 * t_new, dtype=torch.bool).tril(t_new),
+        hidden=True,
     )
 
 
-@public("ch01.causal_mask")
-def _(causal_mask):
-    # two new queries at positions 3 and 4, after 3 cached keys: both see the cache
-    expect_equal(
-        "causal_mask(2, 5)",
-        causal_mask(2, 5).tolist(),
-        [[True, True, True, True, False], [True, True, True, True, True]],
-    )
-    expect_equal(
-        "causal_mask(1, 4) (one decoding step sees everything)",
-        causal_mask(1, 4).tolist(),
-        [[True, True, True, True]],
-    )
+@mistake(
+    MASK,
+    "offset mask: causal_mask(2, 5) is not the top-left triangle (what is_causal=True does); the "
+    "2 new queries are positions 3 and 4, after 3 cached keys, and see them all",
+)
+def mask_top_left(t_new, t_total, device=None):
+    return torch.ones(t_new, t_total, dtype=torch.bool, device=device).tril()
 
 
-@hidden("ch01.causal_mask")
-def _(causal_mask):
-    for t_new, t_total in [(1, 1), (4, 4), (3, 9), (7, 8)]:
-        expected = torch.ones(t_new, t_total, dtype=torch.bool).tril(t_total - t_new)
-        expect_equal(
-            f"causal_mask({t_new}, {t_total})",
-            causal_mask(t_new, t_total, device="cpu").tolist(),
-            expected.tolist(),
-        )
+@mistake(MASK, "the diagonal: a token may attend to itself (key position <= query)")
+def mask_no_diagonal(t_new, t_total, device=None):
+    return ref.causal_mask(t_new, t_total, device).tril(t_total - t_new - 1)
+
+
+@mistake(
+    MASK,
+    "causal_mask must be bool (True = attend): masked_fill and F.scaled_dot_product_attention read "
+    "a float mask as numbers to add, not as allowed/not",
+)
+def mask_as_floats(t_new, t_total, device=None):
+    return ref.causal_mask(t_new, t_total, device).float()
 
 
 # --- attention_weights --------------------------------------------------------------------------
 
+WEIGHTS = "ch01.attention_weights"
+
+
+def _qk(*shape, scale=1.0, dtype=torch.float32, masked=True):
+    def inputs(g):
+        q, k = (randn(*shape, g=g) * scale).to(dtype), (randn(*shape, g=g) * scale).to(dtype)
+        T = shape[-2]
+        return q, k, torch.ones(T, T, dtype=torch.bool).tril() if masked else None
+
+    return inputs
+
+
+def _sdpa_weights(q, k, mask):  # torch's attention with v = identity returns the weights
+    T_k = k.shape[-2]
+    eye = torch.eye(T_k).expand(*q.shape[:-2], T_k, T_k)
+    return F.scaled_dot_product_attention(q, k, eye, attn_mask=mask)
+
+
+def _hand_qk(g):  # D = 4, so the scores are q.k / 2 = [1, 0]: softmax = [e, 1] / (e + 1)
+    q = torch.tensor([[[[2.0, 0.0, 0.0, 0.0]]]])  # [1, 1, 1, 4]
+    k = torch.tensor([[[[1.0, 0.0, 0.0, 0.0], [0.0, 5.0, 0.0, 0.0]]]])  # [1, 1, 2, 4]
+    return q, k, None
+
+
+case(WEIGHTS, "scale, -inf, softmax over the keys", _qk(1, 2, 4, 16), atol=1e-6, rtol=1e-5, seed=60)
+case(
+    WEIGHTS,
+    "a hand-worked example (scale 1/sqrt(4)): [e, 1] / (e + 1)",
+    _hand_qk,
+    expected=lambda q, k, mask: torch.tensor([[[[math.e / (math.e + 1), 1 / (math.e + 1)]]]]),
+    atol=1e-6,
+    rtol=1e-6,
+)
+case(
+    WEIGHTS,
+    "vs F.scaled_dot_product_attention(q, k, I)",
+    _qk(2, 3, 5, 8),
+    expected=_sdpa_weights,
+    atol=1e-5,
+    rtol=1e-5,
+    seed=1,
+)
+
 
 class _SoftmaxDtypes(torch.overrides.TorchFunctionMode):
-    """Records the dtype each softmax computes in (its input's, or the dtype= it was asked for)."""
+    """Records the dtype each softmax computes in (its input's, or the dtype= it was asked for):
+    on a CPU a bfloat16 softmax may round like a float32 one, so the values cannot tell."""
 
     def __init__(self):
         super().__init__()
@@ -172,311 +224,267 @@ class _SoftmaxDtypes(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@public("ch01.attention_weights")
-def _(attention_weights):
-    """scale, -inf, softmax in float32"""
-    q, k = randn(1, 2, 4, 16, seed=60), randn(1, 2, 4, 16, seed=61)
-    mask = torch.ones(4, 4, dtype=torch.bool).tril()
-    got = attention_weights(q, k, mask)
-    scores = q @ k.transpose(-2, -1)
-    if not isinstance(got, torch.Tensor) or tuple(got.shape) != (1, 2, 4, 4):
-        raise AssertionError("attention_weights must return the weights [..., T_q, T_k]")
-    if _close(got, scores.masked_fill(~mask, float("-inf")).softmax(-1)):
-        raise AssertionError("scale the scores by 1/sqrt(D) before the softmax (D = 16 here)")
-    if _close(got, (scores / 16).masked_fill(~mask, float("-inf")).softmax(-1)):
-        raise AssertionError("the scale is 1/sqrt(D), not 1/D")
-    if _close(got, (scores / 4).masked_fill(~mask, float("-inf")).softmax(-2)):
-        raise AssertionError("softmax over the keys (the last dimension): each row sums to 1")
-    if _close(got, (scores / 4).masked_fill(~mask, 0.0).softmax(-1)) or (
-        float(got.masked_select(~mask).abs().max()) > 0
-    ):
-        raise AssertionError(
-            "masked keys must get weight exactly 0: fill their scores with -inf (a score of 0 "
-            "still gets exp(0) = 1 before normalising)"
-        )
-    qb, kb = q.bfloat16(), k.bfloat16()
+def _watched_softmax(attention_weights, q, k, mask):
     with _SoftmaxDtypes() as seen:
-        w = attention_weights(qb, kb, mask)
-    if seen.dtypes and any(d != torch.float32 for d in seen.dtypes):
-        raise AssertionError(
-            f"softmax in float32: for bfloat16 q, k your softmax computes in {seen.dtypes[0]}; "
-            "ask for softmax(..., dtype=torch.float32) (or .float() the scores) and cast the "
-            "weights back to q.dtype"
-        )
-    expect_equal("dtype of the weights for bfloat16 q, k (q.dtype)", w.dtype, torch.bfloat16)
+        w = attention_weights(q, k, mask)
+    return {
+        "weights [..., T_q, T_k] (cast back to q.dtype)": w,
+        "a softmax computed in another dtype than float32": any(
+            d != torch.float32 for d in seen.dtypes
+        ),
+    }
 
 
-@public("ch01.attention_weights")
-def _(attention_weights):
-    # worked by hand: D = 4, so scores are q.k / 2 = [1, 0]; softmax = [e, 1] / (e + 1)
-    q = torch.tensor([[[[2.0, 0.0, 0.0, 0.0]]]])  # [1, 1, 1, 4]
-    k = torch.tensor([[[[1.0, 0.0, 0.0, 0.0], [0.0, 5.0, 0.0, 0.0]]]])  # [1, 1, 2, 4]
-    e = math.e
-    expect_close(
-        "attention_weights of a hand-worked example (scale 1/sqrt(4))",
-        attention_weights(q, k),
-        torch.tensor([[[[e / (e + 1), 1 / (e + 1)]]]]),
-        atol=1e-6,
-        rtol=1e-6,
-    )
+case(
+    WEIGHTS,
+    "bfloat16 q, k: softmax in float32, weights cast back to q.dtype",
+    _qk(1, 2, 6, 16, scale=3.0, dtype=torch.bfloat16),
+    _watched_softmax,
+    seed=61,
+)
+case(
+    WEIGHTS,
+    "offset mask",
+    lambda g: (randn(1, 2, 3, 16, g=g), randn(1, 2, 6, 16, g=g), ref.causal_mask(3, 6)),
+    atol=1e-6,
+    rtol=1e-5,
+    hidden=True,
+)
+case(WEIGHTS, "no mask", _qk(1, 2, 5, 16, masked=False), atol=1e-6, rtol=1e-5, hidden=True)
+case(
+    WEIGHTS,
+    "large bfloat16 scores",
+    _qk(1, 2, 6, 16, scale=8.0, dtype=torch.bfloat16),
+    atol=1e-2,
+    hidden=True,
+)
 
 
-@public("ch01.attention_weights")
-def _(attention_weights):
-    q, k = randn(2, 3, 5, 8, seed=1), randn(2, 3, 5, 8, seed=2)
-    mask = torch.ones(5, 5, dtype=torch.bool).tril()
-    w = attention_weights(q, k, mask)
-    expect_equal("shape", tuple(w.shape), (2, 3, 5, 5))
-    expect_close("each row sums to 1", w.sum(-1), torch.ones(2, 3, 5), atol=1e-5, rtol=0)
-    expect_close(
-        "weight on masked (future) keys",
-        w.masked_select(~mask).abs().max(),
-        torch.tensor(0.0),
-        atol=0,
-        rtol=0,
-    )
-    # independent reference: torch's attention with v = identity returns the weights themselves
-    eye = torch.eye(5).expand(2, 3, 5, 5)
-    expect_close(
-        "weights vs F.scaled_dot_product_attention(q, k, I)",
-        w,
-        F.scaled_dot_product_attention(q, k, eye, attn_mask=mask),
-        atol=1e-5,
-        rtol=1e-5,
-    )
+def _scores(q, k, mask, scale, fill=float("-inf")):
+    s = (q @ k.transpose(-2, -1)) * scale
+    return s if mask is None else s.masked_fill(~mask, fill)
 
 
-@hidden("ch01.attention_weights")
-def _(attention_weights):
-    q, k = randn(1, 2, 3, 16, seed=3), randn(1, 2, 6, 16, seed=4)
-    mask = ref.causal_mask(3, 6)
-    expect_close(
-        "offset mask",
-        attention_weights(q, k, mask),
-        ref.attention_weights(q, k, mask),
-        atol=1e-6,
-        rtol=1e-5,
-    )
-    expect_close(
-        "no mask", attention_weights(q, k), ref.attention_weights(q, k), atol=1e-6, rtol=1e-5
-    )
-    qb, kb = q.bfloat16() * 8, k.bfloat16() * 8  # large scores: softmax must not overflow
-    w = attention_weights(qb, kb, mask)
-    expect_equal("dtype follows q", w.dtype, torch.bfloat16)
-    expect_close(
-        "bfloat16 input", w.float(), ref.attention_weights(qb, kb, mask).float(), atol=1e-2, rtol=0
-    )
+@mistake(WEIGHTS, "scale the scores by 1/sqrt(D) before the softmax")
+def weights_unscaled(q, k, mask=None):
+    return _scores(q, k, mask, 1.0).softmax(-1, dtype=torch.float32).to(q.dtype)
+
+
+@mistake(WEIGHTS, "the scale is 1/sqrt(D), not 1/D")
+def weights_over_d(q, k, mask=None):
+    return _scores(q, k, mask, 1 / q.shape[-1]).softmax(-1, dtype=torch.float32).to(q.dtype)
+
+
+@mistake(WEIGHTS, "softmax over the keys (the last dimension): each row sums to 1")
+def weights_wrong_dim(q, k, mask=None):
+    return _scores(q, k, mask, q.shape[-1] ** -0.5).softmax(-2, dtype=torch.float32).to(q.dtype)
+
+
+@mistake(
+    WEIGHTS,
+    "masked keys must get weight exactly 0: fill their scores with -inf (a score of 0 still gets "
+    "exp(0) = 1 before normalising)",
+)
+def weights_zero_fill(q, k, mask=None):
+    s = _scores(q, k, mask, q.shape[-1] ** -0.5, fill=0.0)
+    return s.softmax(-1, dtype=torch.float32).to(q.dtype)
+
+
+@mistake(
+    WEIGHTS,
+    "softmax in float32: ask for softmax(..., dtype=torch.float32) (or .float() the scores) and "
+    "cast the weights back to q.dtype",
+)
+def weights_low_precision(q, k, mask=None):
+    return _scores(q, k, mask, q.shape[-1] ** -0.5).softmax(-1)  # in the input's dtype
+
+
+@mistake(WEIGHTS, "the weights are float32: cast them back to q.dtype after the softmax")
+def weights_not_cast_back(q, k, mask=None):
+    return _scores(q, k, mask, q.shape[-1] ** -0.5).softmax(-1, dtype=torch.float32)
 
 
 # --- attention ----------------------------------------------------------------------------------
 
-
-@public("ch01.attention")
-def _(attention):
-    """the mask is used"""
-    q, k, v = (randn(1, 2, 5, 8, seed=s) for s in (62, 63, 64))
-    mask = torch.ones(5, 5, dtype=torch.bool).tril()
-    got = attention(q, k, v, mask)
-    if _close(got, F.scaled_dot_product_attention(q, k, v)):
-        raise AssertionError("the mask was ignored: pass it on to attention_weights")
+ATTENTION = "ch01.attention"
 
 
-@public("ch01.attention")
-def _(attention):
-    q, k, v = (randn(2, 4, 6, 8, seed=s) for s in (5, 6, 7))
-    expect_close(
-        "attention(q, k, v) vs F.scaled_dot_product_attention",
-        attention(q, k, v),
-        F.scaled_dot_product_attention(q, k, v),
-        atol=1e-5,
-        rtol=1e-5,
-    )
-    mask = torch.ones(6, 6, dtype=torch.bool).tril()
-    expect_close(
-        "causal attention vs F.scaled_dot_product_attention(is_causal=True)",
-        attention(q, k, v, mask),
-        F.scaled_dot_product_attention(q, k, v, is_causal=True),
-        atol=1e-5,
-        rtol=1e-5,
-    )
+def _qkv(B, H, T_q, T_k, D, mask=None):
+    def inputs(g):
+        q, k, v = randn(B, H, T_q, D, g=g), randn(B, H, T_k, D, g=g), randn(B, H, T_k, D, g=g)
+        return (q, k, v) if mask is None else (q, k, v, mask)
+
+    return inputs
 
 
-@public("ch01.attention")
-def _(attention):
-    # one key: the weight is 1 whatever the score, so the output is that key's value
-    q, k, v = randn(1, 1, 3, 4, seed=8), randn(1, 1, 1, 4, seed=9), randn(1, 1, 1, 4, seed=10)
-    expect_close(
-        "a single key returns its value",
-        attention(q, k, v),
-        v.expand(1, 1, 3, 4),
-        atol=1e-6,
-        rtol=0,
-    )
+def _sdpa(q, k, v, mask=None):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-@hidden("ch01.attention")
-def _(attention):
-    q, k, v = randn(1, 2, 2, 8, seed=11), randn(1, 2, 7, 8, seed=12), randn(1, 2, 7, 8, seed=13)
-    mask = ref.causal_mask(2, 7)
-    expect_close(
-        "offset mask",
-        attention(q, k, v, mask),
-        F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
-        atol=1e-5,
-        rtol=1e-5,
-    )
+CAUSAL = torch.ones(6, 6, dtype=torch.bool).tril()
+case(
+    ATTENTION,
+    "causal attention (the mask is used)",
+    _qkv(1, 2, 6, 6, 8, CAUSAL),
+    expected=_sdpa,
+    atol=1e-5,
+    rtol=1e-5,
+    seed=62,
+)
+case(
+    ATTENTION,
+    "vs F.scaled_dot_product_attention",
+    _qkv(2, 4, 6, 6, 8),
+    expected=_sdpa,
+    atol=1e-5,
+    rtol=1e-5,
+    seed=5,
+)
+case(
+    ATTENTION,
+    "a single key returns its value (its weight is 1 whatever the score)",
+    _qkv(1, 1, 3, 1, 4),
+    expected=lambda q, k, v: v.expand(1, 1, 3, 4),
+    atol=1e-6,
+    seed=8,
+)
+case(
+    ATTENTION,
+    "offset mask",
+    _qkv(1, 2, 2, 7, 8, ref.causal_mask(2, 7)),
+    expected=_sdpa,
+    atol=1e-5,
+    rtol=1e-5,
+    hidden=True,
+)
+
+
+@mistake(ATTENTION, "the mask was ignored: pass it on to attention_weights")
+def attention_ignores_mask(q, k, v, mask=None):
+    return ref.attention_weights(q, k) @ v
 
 
 # --- split_heads / merge_heads ------------------------------------------------------------------
 
-
-@public("ch01.split_heads")
-def _(split_heads):
-    """channels of a head, heads as a batch dimension"""
-    x = torch.arange(1 * 2 * 6, dtype=torch.float32).reshape(1, 2, 6)  # 2 positions, 3 heads of 2
-    y = split_heads(x, 3)
-    if not isinstance(y, torch.Tensor) or y.numel() != 12:
-        raise AssertionError("split_heads must return a tensor [B, n_heads, T, D]")
-    if tuple(y.shape) == (1, 2, 3, 2):
-        raise AssertionError(
-            "heads become a batch dimension: [B, n_heads, T, D], transpose T and H"
-        )
-    if tuple(y.shape) == (1, 3, 2, 2) and y.flatten().tolist() == x.flatten().tolist():
-        raise AssertionError(
-            "a reshape to [B, H, T, D] without a transpose mixes positions into heads: view as "
-            "[B, T, H, D] first (head h owns channels h*D .. h*D + D - 1), then transpose"
-        )
-    if tuple(y.shape) == (1, 3, 2, 2) and y[0, 0, 0].tolist() != [0.0, 1.0]:
-        raise AssertionError(
-            "head h owns the *contiguous* channels h*D .. h*D + D - 1 (here head 0 at position 0 "
-            f"is [0, 1]), got {y[0, 0, 0].tolist()}"
-        )
+SPLIT, MERGE = "ch01.split_heads", "ch01.merge_heads"
 
 
-@public("ch01.split_heads")
-def _(split_heads):
-    x = torch.arange(2 * 3 * 12, dtype=torch.float32).reshape(2, 3, 12)
-    y = split_heads(x, 4)
-    expect_equal("split_heads([2, 3, 12], 4).shape", tuple(y.shape), (2, 4, 3, 3))
-    # head h owns channels h*D .. h*D + D - 1 of every position
-    expect_equal("split_heads(x, 4)[1, 2, 0]", y[1, 2, 0].tolist(), x[1, 0, 6:9].tolist())
+def _channels(*shape):  # channel c of position t holds a number of its own
+    return lambda g: (torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape),)
 
 
-@public("ch01.split_heads")
-def _(split_heads):
-    x = randn(1, 5, 32, seed=14)
-    expect_close(
-        "split_heads vs reference", split_heads(x, 8), ref.split_heads(x, 8), atol=0, rtol=0
-    )
+case(
+    SPLIT,
+    "split_heads(x [1, 2, 6], 3): heads as a batch dimension",
+    lambda g: (*_channels(1, 2, 6)(g), 3),
+)
+case(SPLIT, "split_heads(x [2, 3, 12], 4)", lambda g: (*_channels(2, 3, 12)(g), 4))
+case(SPLIT, "random x [1, 5, 32], 8 heads", lambda g: (randn(1, 5, 32, g=g), 8), seed=14)
+case(
+    SPLIT,
+    "other head counts",
+    lambda g: (randn(3, 2, 24, g=g), (1, 2, 6, 24)[between(g, 0, 3)]),
+    hidden=True,
+)
 
 
-@hidden("ch01.split_heads")
-def _(split_heads):
-    x = randn(3, 2, 24, seed=15)
-    for h in (1, 2, 6, 24):
-        expect_close(
-            f"split_heads(x, {h})", split_heads(x, h), ref.split_heads(x, h), atol=0, rtol=0
-        )
+@mistake(
+    SPLIT,
+    "a reshape to [B, H, T, D] without a transpose mixes positions into heads: view as "
+    "[B, T, H, D] first (head h owns channels h*D .. h*D + D - 1), then transpose",
+)
+def split_no_transpose(x, n_heads):
+    B, T, _ = x.shape
+    return x.reshape(B, n_heads, T, -1)
 
 
-@public("ch01.merge_heads")
-def _(merge_heads):
-    """the inverse of split_heads, on a transposed (non-contiguous) tensor"""
-    x = torch.arange(2 * 6, dtype=torch.float32).reshape(1, 2, 6)
-    heads = ref.split_heads(x, 3).contiguous()  # [B, H, T, D], as attention returns it
+@mistake(SPLIT, "head h owns the *contiguous* channels h*D .. h*D + D - 1, not every H-th one")
+def split_strided(x, n_heads):
+    B, T, _ = x.shape
+    return x.view(B, T, -1, n_heads).transpose(-1, -2).transpose(1, 2)
+
+
+@mistake(SPLIT, "heads become a batch dimension: [B, n_heads, T, D], transpose T and H")
+def split_heads_last(x, n_heads):
+    B, T, _ = x.shape
+    return x.view(B, T, n_heads, -1)
+
+
+def _as_attention_returns(*shape):  # [B, H, T, D] out of a transpose: not contiguous
+    return lambda g: (randn(shape[0], shape[2], shape[1], shape[3], g=g).transpose(1, 2),)
+
+
+case(
+    MERGE,
+    "heads out of a transpose (not contiguous), [1, 3, 2, 2]",
+    _as_attention_returns(1, 3, 2, 2),
+)
+case(MERGE, "merge_heads(x [2, 4, 3, 5])", _channels(2, 4, 3, 5))
+case(
+    MERGE,
+    "other shapes",
+    lambda g: (randn(2, between(g, 1, 4), 3, 10, g=g)[..., ::2],),
+    hidden=True,
+)
+
+
+@mistake(
+    MERGE,
+    "after a transpose the tensor is not contiguous and view() refuses it: use reshape (or "
+    ".contiguous().view)",
+)
+def merge_with_view(x):
+    B, H, T, D = x.shape
     try:
-        y = merge_heads(heads)
+        return x.transpose(1, 2).view(B, T, H * D)
     except RuntimeError as e:
-        if "view" in str(e):
-            raise AssertionError(
-                "after a transpose the tensor is not contiguous and view() refuses it: use "
-                "reshape (or .contiguous().view)"
-            ) from None
-        raise
-    if isinstance(y, torch.Tensor) and tuple(y.shape) == (1, 2, 6) and not _close(y, x):
         raise AssertionError(
-            "merge_heads must undo split_heads: transpose back to [B, T, H, D] before reshaping "
-            "to [B, T, H*D]"
-        )
+            "after a transpose the tensor is not contiguous and view() refuses it: use reshape "
+            f"(or .contiguous().view) ({e})"
+        ) from None
 
 
-@public("ch01.merge_heads")
-def _(merge_heads):
-    x = torch.arange(2 * 4 * 3 * 5, dtype=torch.float32).reshape(2, 4, 3, 5)
-    y = merge_heads(x)
-    expect_equal("merge_heads([2, 4, 3, 5]).shape", tuple(y.shape), (2, 3, 20))
-    expect_equal(
-        "merge_heads(x)[0, 1, 10:15] is head 2 at position 1",
-        y[0, 1, 10:15].tolist(),
-        x[0, 2, 1].tolist(),
-    )
-
-
-@public("ch01.merge_heads")
-def _(merge_heads):
-    x = randn(2, 3, 16, seed=16)
-    expect_close(
-        "merge_heads(split_heads(x, 4)) == x", merge_heads(ref.split_heads(x, 4)), x, atol=0, rtol=0
-    )
-
-
-@hidden("ch01.merge_heads")
-def _(merge_heads):
-    # attention outputs come out of a transpose: the input need not be contiguous
-    x = randn(2, 4, 3, 10, seed=17)[..., ::2]  # [2, 4, 3, 5], every other number
-    expect_close("non-contiguous input", merge_heads(x), ref.merge_heads(x), atol=0, rtol=0)
+@mistake(
+    MERGE,
+    "merge_heads must undo split_heads: transpose back to [B, T, H, D] before reshaping to "
+    "[B, T, H*D]",
+)
+def merge_no_transpose(x):
+    B, H, T, D = x.shape
+    return x.reshape(B, T, H * D)
 
 
 # --- repeat_kv ----------------------------------------------------------------------------------
 
-
-@public("ch01.repeat_kv")
-def _(repeat_kv):
-    """neighbouring query heads share a KV head"""
-    k = torch.tensor([0.0, 1.0, 2.0]).view(1, 3, 1, 1)  # KV head i holds the number i
-    got = repeat_kv(k, 2)
-    if isinstance(got, torch.Tensor) and got.flatten().tolist() == [0.0, 1.0, 2.0] * 2:
-        raise AssertionError(
-            "KV heads tiled (0, 1, 2, 0, 1, 2): query head h reads KV head h // n_rep, so "
-            "neighbours share one: 0, 0, 1, 1, 2, 2 (the checkpoint was trained that way)"
-        )
+REPEAT = "ch01.repeat_kv"
 
 
-@public("ch01.repeat_kv")
-def _(repeat_kv):
-    k = torch.tensor([0.0, 1.0]).view(1, 2, 1, 1)  # KV head i holds the number i
-    expect_equal(
-        "repeat_kv(heads [0, 1], 3) (query head h uses KV head h // 3)",
-        repeat_kv(k, 3).flatten().tolist(),
-        [0.0, 0.0, 0.0, 1.0, 1.0, 1.0],
-    )
+def _numbered_heads(n):  # KV head i holds the number i
+    return lambda g: (torch.arange(float(n)).view(1, n, 1, 1), 2)
 
 
-@public("ch01.repeat_kv")
-def _(repeat_kv):
-    k = randn(2, 4, 5, 8, seed=18)
-    out = repeat_kv(k, 2)
-    expect_equal("repeat_kv([2, 4, 5, 8], 2).shape", tuple(out.shape), (2, 8, 5, 8))
-    for h in range(8):
-        expect_close(
-            f"query head {h} sees KV head {h // 2}", out[:, h], k[:, h // 2], atol=0, rtol=0
-        )
+case(REPEAT, "repeat_kv(heads [0, 1, 2], 2): query head h uses KV head h // 2", _numbered_heads(3))
+case(REPEAT, "repeat_kv([2, 4, 5, 8], 2)", lambda g: (randn(2, 4, 5, 8, g=g), 2), seed=18)
+case(REPEAT, "n_rep = 1 changes nothing", lambda g: (randn(1, 3, 4, 6, g=g), 1), hidden=True)
+case(
+    REPEAT,
+    "attention on repeated heads vs F.scaled_dot_product_attention(enable_gqa)",
+    lambda g: (randn(1, 12, 4, 6, g=g), randn(1, 3, 4, 6, g=g), randn(1, 3, 4, 6, g=g)),
+    lambda repeat_kv, q, k, v: F.scaled_dot_product_attention(q, repeat_kv(k, 4), repeat_kv(v, 4)),
+    lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+    atol=1e-5,
+    rtol=1e-5,
+    hidden=True,
+)
 
 
-@hidden("ch01.repeat_kv")
-def _(repeat_kv):
-    k = randn(1, 3, 4, 6, seed=19)
-    expect_close("n_rep = 1 changes nothing", repeat_kv(k, 1), k, atol=0, rtol=0)
-    expect_close("repeat_kv vs reference", repeat_kv(k, 4), ref.repeat_kv(k, 4), atol=0, rtol=0)
-    # independent: torch's own grouped attention maps query heads to KV heads the same way
-    q, v = randn(1, 12, 4, 6, seed=20), randn(1, 3, 4, 6, seed=21)
-    expect_close(
-        "attention on repeated heads vs F.scaled_dot_product_attention(enable_gqa)",
-        F.scaled_dot_product_attention(q, repeat_kv(k, 4), repeat_kv(v, 4)),
-        F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
-        atol=1e-5,
-        rtol=1e-5,
-    )
+@mistake(
+    REPEAT,
+    "KV heads tiled (0, 1, 2, 0, 1, 2): query head h reads KV head h // n_rep, so neighbours share "
+    "one: 0, 0, 1, 1, 2, 2 (the checkpoint was trained that way)",
+)
+def repeat_tiled(k, n_rep):
+    return k.repeat(1, n_rep, 1, 1)
 
 
 # --- KVCache ------------------------------------------------------------------------------------
@@ -851,150 +859,159 @@ def _(Attention):
 
 # --- kv_bytes_per_token -------------------------------------------------------------------------
 
+BYTES = "ch01.kv_bytes_per_token"
 
-def _shape(layers, kv_heads, head_dim):
+
+def _shape(layers, kv_heads, head_dim, heads=None):
     return SimpleNamespace(
-        num_hidden_layers=layers, num_key_value_heads=kv_heads, head_dim=head_dim
+        num_hidden_layers=layers,
+        num_key_value_heads=kv_heads,
+        num_attention_heads=heads or kv_heads,
+        head_dim=head_dim,
     )
 
 
-@public("ch01.kv_bytes_per_token")
-def _(kv_bytes_per_token):
-    """what one token stores"""
-    cfg = SimpleNamespace(
-        num_hidden_layers=28, num_key_value_heads=4, num_attention_heads=28, head_dim=128
-    )
-    right = 2 * 28 * 4 * 128 * 4  # float32
-    diagnosis = {
-        right // 2: "a key AND a value per KV head: twice what you counted",
-        right * 7: "the cache holds the KV heads (num_key_value_heads, before repeat_kv), not "
-        "one per query head",
-        right // 28: "every layer keeps its own cache: count all num_hidden_layers",
-        right // 4: "bytes, not numbers: multiply by dtype_bytes",
-        right * 8: "bytes, not bits: dtype_bytes is already in bytes",
-    }
-    got = kv_bytes_per_token(cfg, 4)
-    if got != right and got in diagnosis:
-        raise AssertionError(f"kv_bytes_per_token(Qwen2-7B shape, 4) = {got}: {diagnosis[got]}")
+def _bytes(name, shape, dtype_bytes, n, hidden=False):
+    case(BYTES, name, lambda g: (shape, dtype_bytes), expected=lambda *_: n, hidden=hidden)
 
 
-@public("ch01.kv_bytes_per_token")
-def _(kv_bytes_per_token):
-    expect_equal(
-        "Qwen2-7B in bf16 (28 layers, 4 KV heads, head_dim 128): 56 KiB",
-        kv_bytes_per_token(_shape(28, 4, 128), 2),
-        56 * 1024,
-    )
-    expect_equal(
-        "Qwen3-8B in bf16 (36 layers, 8 KV heads, head_dim 128): 144 KiB",
-        kv_bytes_per_token(_shape(36, 8, 128), 2),
-        144 * 1024,
-    )
+_bytes("Qwen2-7B in float32 (4 bytes a number)", _shape(28, 4, 128, 28), 4, 112 * 1024)
+_bytes(
+    "Qwen2-7B in bf16 (28 layers, 4 KV heads of 28 query heads, head_dim 128): 56 KiB",
+    _shape(28, 4, 128, 28),
+    2,
+    56 * 1024,
+)
+_bytes(
+    "Qwen3-8B in bf16 (36 layers, 8 KV heads, head_dim 128): 144 KiB",
+    _shape(36, 8, 128, 32),
+    2,
+    144 * 1024,
+)
+_bytes("Qwen1.5-7B (MHA, 32 KV heads)", _shape(32, 32, 128), 2, 512 * 1024, hidden=True)
+case(
+    BYTES,
+    "a qwen_mini Config shaped like Qwen3-0.6B",
+    lambda g: (
+        replace(_tiny_cfg(qwen3=True), num_hidden_layers=28, num_key_value_heads=8, head_dim=128),
+        2,
+    ),
+    expected=lambda *_: 112 * 1024,
+    hidden=True,
+)
 
 
-@public("ch01.kv_bytes_per_token")
-def _(kv_bytes_per_token):
-    expect_equal(
-        "Qwen2-7B in float32 (4 bytes a number)",
-        kv_bytes_per_token(_shape(28, 4, 128), 4),
-        112 * 1024,
-    )
+@mistake(BYTES, "a key AND a value per KV head: twice what you counted")
+def kv_keys_only(cfg, dtype_bytes=2):
+    return cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
 
 
-@hidden("ch01.kv_bytes_per_token")
-def _(kv_bytes_per_token):
-    cfg = replace(_tiny_cfg(qwen3=True), num_hidden_layers=28, num_key_value_heads=8, head_dim=128)
-    expect_equal(
-        "a qwen_mini Config shaped like Qwen3-0.6B", kv_bytes_per_token(cfg, 2), 112 * 1024
-    )
-    expect_equal(
-        "Qwen1.5-7B (MHA, 32 KV heads)", kv_bytes_per_token(_shape(32, 32, 128), 2), 512 * 1024
-    )
+@mistake(
+    BYTES,
+    "the cache holds the KV heads (num_key_value_heads, before repeat_kv), not one per query head",
+)
+def kv_query_heads(cfg, dtype_bytes=2):
+    return 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * dtype_bytes
+
+
+@mistake(BYTES, "every layer keeps its own cache: count all num_hidden_layers")
+def kv_one_layer(cfg, dtype_bytes=2):
+    return 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+
+
+@mistake(BYTES, "bytes, not numbers: multiply by dtype_bytes")
+def kv_numbers(cfg, dtype_bytes=2):
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+
+
+@mistake(BYTES, "bytes, not bits: dtype_bytes is already in bytes")
+def kv_bits(cfg, dtype_bytes=2):
+    return 16 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
 
 
 # --- regroup_kv_heads ---------------------------------------------------------------------------
 
-
-@public("ch01.regroup_kv_heads")
-def _(regroup_kv_heads):
-    """neighbours: repeated in place, averaged in groups"""
-    w = torch.tensor([[0.0], [1.0], [2.0], [3.0]])  # 4 KV heads of head_dim 1: head i holds i
-    up = regroup_kv_heads(w, 1, 8)
-    if isinstance(up, torch.Tensor) and up.flatten().tolist() == [0.0, 1, 2, 3, 0, 1, 2, 3]:
-        raise AssertionError(
-            "4 -> 8 heads tiled (0, 1, 2, 3, 0, 1, ...): each head must be copied next to itself "
-            "(0, 0, 1, 1, ...), so query head h still finds its KV head at h // n_rep"
-        )
-    down = regroup_kv_heads(w, 1, 2)
-    if isinstance(down, torch.Tensor) and down.flatten().tolist() == [1.0, 2.0]:
-        raise AssertionError(
-            "4 -> 2 heads: average *neighbouring* heads (0, 1) and (2, 3), the ones that served "
-            "neighbouring query heads; you averaged (0, 2) and (1, 3)"
-        )
-
-
-@public("ch01.regroup_kv_heads")
-def _(regroup_kv_heads):
-    # 2 KV heads of head_dim 1; each weight row is one head: head 0 = [1, 1], head 1 = [3, 5]
-    w = torch.tensor([[1.0, 1.0], [3.0, 5.0]])
-    expect_equal(
-        "2 -> 4 heads (repeat: heads 0, 0, 1, 1)",
-        regroup_kv_heads(w, 1, 4).tolist(),
-        [[1.0, 1.0], [1.0, 1.0], [3.0, 5.0], [3.0, 5.0]],
-    )
-    expect_equal("2 -> 1 head (mean)", regroup_kv_heads(w, 1, 1).tolist(), [[2.0, 3.0]])
-
-
-@public("ch01.regroup_kv_heads")
-def _(regroup_kv_heads):
-    w, b = randn(4 * 8, 16, seed=30), randn(4 * 8, seed=31)  # 4 KV heads, head_dim 8
-    expect_close(
-        "weight 4 -> 8 heads",
-        regroup_kv_heads(w, 8, 8),
-        lab.regroup_kv_heads(w, 8, 8),
-        atol=0,
-        rtol=0,
-    )
-    expect_close(
-        "bias 4 -> 8 heads",
-        regroup_kv_heads(b, 8, 8),
-        lab.regroup_kv_heads(b, 8, 8),
-        atol=0,
-        rtol=0,
-    )
-    expect_close(
-        "weight 4 -> 2 heads",
-        regroup_kv_heads(w, 8, 2),
-        lab.regroup_kv_heads(w, 8, 2),
+REGROUP = "ch01.regroup_kv_heads"
+NUMBERED = torch.tensor([[0.0], [1.0], [2.0], [3.0]])  # 4 KV heads of head_dim 1: head i holds i
+case(
+    REGROUP,
+    "4 -> 8 heads: each head copied next to itself (0, 0, 1, 1, ...)",
+    lambda g: (NUMBERED, 1, 8),
+)
+case(
+    REGROUP,
+    "4 -> 2 heads: neighbouring heads (0, 1) and (2, 3) averaged",
+    lambda g: (NUMBERED, 1, 2),
+)
+# 2 KV heads of head_dim 1; each weight row is one head: head 0 = [1, 1], head 1 = [3, 5]
+TWO = torch.tensor([[1.0, 1.0], [3.0, 5.0]])
+case(
+    REGROUP,
+    "2 -> 4 heads (repeat: heads 0, 0, 1, 1)",
+    lambda g: (TWO, 1, 4),
+    expected=lambda *_: torch.tensor([[1.0, 1.0], [1.0, 1.0], [3.0, 5.0], [3.0, 5.0]]),
+)
+case(
+    REGROUP,
+    "2 -> 1 head (mean)",
+    lambda g: (TWO, 1, 1),
+    expected=lambda *_: torch.tensor([[2.0, 3.0]]),
+)
+for n_kv in (8, 2, 4):
+    case(
+        REGROUP,
+        f"a weight, 4 -> {n_kv} heads",
+        lambda g, n_kv=n_kv: (randn(4 * 8, 16, g=g), 8, n_kv),
         atol=1e-6,
         rtol=1e-6,
+        seed=30,
     )
-    expect_close(
-        "regrouping to the same count changes nothing", regroup_kv_heads(w, 8, 4), w, atol=0, rtol=0
-    )
+case(REGROUP, "a bias, 4 -> 8 heads", lambda g: (randn(4 * 8, g=g), 8, 8), seed=31)
 
 
-@hidden("ch01.regroup_kv_heads")
-def _(regroup_kv_heads):
-    # repeating KV heads must not change attention at all: compare projections -> attention
-    w = randn(2 * 4, 6, seed=32)
-    x = randn(1, 5, 6, seed=33)
-    k_gqa = (x @ w.T).view(1, 5, 2, 4).transpose(1, 2)
-    k_mha = (x @ regroup_kv_heads(w, 4, 4).T).view(1, 5, 4, 4).transpose(1, 2)
-    expect_close(
-        "GQA keys repeated == MHA keys from the regrouped weight",
-        k_mha,
-        ref.repeat_kv(k_gqa, 2),
-        atol=1e-6,
-        rtol=1e-6,
-    )
-    expect_close(
-        "mean of MHA heads == mean of the GQA heads they copy",
-        regroup_kv_heads(regroup_kv_heads(w, 4, 4), 4, 1),
-        regroup_kv_heads(w, 4, 1),
-        atol=1e-6,
-        rtol=1e-6,
-    )
+def _gqa_keys(g):
+    return randn(2 * 4, 6, g=g), randn(1, 5, 6, g=g)
+
+
+case(
+    REGROUP,
+    "GQA keys repeated == MHA keys from the regrouped weight",
+    _gqa_keys,
+    lambda regroup, w, x: (x @ regroup(w, 4, 4).T).view(1, 5, 4, 4).transpose(1, 2),
+    lambda w, x: ref.repeat_kv((x @ w.T).view(1, 5, 2, 4).transpose(1, 2), 2),
+    atol=1e-6,
+    rtol=1e-6,
+    hidden=True,
+)
+case(
+    REGROUP, "other sizes", lambda g: (randn(2 ** between(g, 0, 3) * 3, 6, g=g), 3, 8), hidden=True
+)
+
+
+@mistake(
+    REGROUP,
+    "heads tiled (0, 1, 2, 3, 0, 1, ...): each head must be copied next to itself (0, 0, 1, 1, "
+    "...), so query head h still finds its KV head at h // n_rep",
+)
+def regroup_tiled(w, head_dim, n_kv_new):
+    n_kv = w.shape[0] // head_dim
+    if n_kv_new >= n_kv:
+        heads = w.reshape(n_kv, head_dim, *w.shape[1:]).repeat(n_kv_new // n_kv, *[1] * (w.dim()))
+        return heads.reshape(n_kv_new * head_dim, *w.shape[1:])
+    return lab.regroup_kv_heads(w, head_dim, n_kv_new)
+
+
+@mistake(
+    REGROUP,
+    "average *neighbouring* heads (0, 1) and (2, 3), the ones that served neighbouring query "
+    "heads, not (0, 2) and (1, 3)",
+)
+def regroup_strided_mean(w, head_dim, n_kv_new):
+    n_kv = w.shape[0] // head_dim
+    if n_kv_new >= n_kv:
+        return lab.regroup_kv_heads(w, head_dim, n_kv_new)
+    heads = w.reshape(n_kv // n_kv_new, n_kv_new, head_dim, *w.shape[1:]).mean(0)
+    return heads.reshape(n_kv_new * head_dim, *w.shape[1:])
 
 
 # --- the model around attention (qwen_mini/decoder.py) ------------------------------------------

@@ -1,27 +1,21 @@
 """Checks for chapter 3 (mixture of experts: routing, dispatch, load balancing, shared expert,
 the expert split).
 
-Expected values are worked out by hand or computed here the slow, obvious way (a loop over
-tokens, one-hot counts), independently of the package's implementation. Where a typical mistake
-has a recognisable result, the check names the idea instead of only reporting a number.
+Each exercise is a list of cases, compared with the package reference or with a value worked out by
+hand (a softmax of [ln 1 … ln 4], a perfectly balanced router scoring k), and a catalogue of typical
+mistakes whose ideas the messages name. Dispatch cases also record how often, and on how many
+rows, each expert runs.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qwen_mini import moe as ref
-from qwen_mini.course.checking import (
-    expect_close,
-    expect_equal,
-    hidden,
-    public,
-    randn,
-    register,
-    seeded,
-)
+from qwen_mini.course.checking import between, case, mistake, named, randn, register
 from qwen_mini.course.lab import ch03 as lab
 from qwen_mini.mlp import MLP
 
@@ -64,519 +58,634 @@ register(
 )
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:
-    return a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
-
-
 # --- route ----------------------------------------------------------------------------------------
 
 
-def _route_by_hand(logits: torch.Tensor, k: int, norm: bool):
-    """softmax over every expert in float32, the k largest, optionally rescaled to sum to 1."""
-    probs = torch.exp(logits.double() - logits.double().max(-1, keepdim=True).values)
-    probs = probs / probs.sum(-1, keepdim=True)
-    top = probs.topk(k, dim=-1)
-    w = top.values / top.values.sum(-1, keepdim=True) if norm else top.values
-    return w, top.indices
+def _route(route, logits, k, norm):
+    return named(route(logits, k, norm), "weights [N, k]", "experts [N, k] (the k most probable)")
 
 
-def _expect_route(route, logits: torch.Tensor, k: int, norm: bool, what: str) -> None:
-    out = route(logits, k, norm)
-    if not (isinstance(out, tuple | list) and len(out) == 2):
-        raise AssertionError(f"{what}: return a pair (weights, experts), got {type(out).__name__}")
-    weights, experts = out
-    want_w, want_i = _route_by_hand(logits, k, norm)
-    expect_equal(f"{what}: weights shape [N, k]", tuple(weights.shape), tuple(want_w.shape))
-    expect_equal(f"{what}: experts chosen (the k most probable, in order)", experts, want_i)
-    raw, renormed = _route_by_hand(logits, k, False)[0], _route_by_hand(logits, k, True)[0]
-    differ = not _close(raw, renormed)  # with k = E both sum to 1 and cannot be told apart
-    if differ and norm and _close(weights, raw):
-        raise AssertionError(
-            f"{what}: with norm_topk_prob=True the k weights must be renormalised to sum to 1; "
-            "yours are the raw softmax probabilities (no renormalisation)"
-        )
-    if differ and not norm and _close(weights, renormed):
-        raise AssertionError(
-            f"{what}: with norm_topk_prob=False the weights are the probabilities of the softmax "
-            "over ALL experts; yours sum to 1 over the top k (a softmax after top-k, or "
-            "renormalised anyway)"
-        )
-    expect_close(f"{what}: weights", weights.double(), want_w, atol=1e-6, rtol=1e-5)
+def _routed(weights):
+    return lambda *_: {
+        "weights [N, k]": torch.tensor([weights]),
+        "experts [N, k] (the k most probable)": torch.tensor([[3, 2]]),
+    }
 
 
-@public("ch03.route")
-def _(route):
-    """hand-worked: logits [ln 1, ln 2, ln 3, ln 4], k = 2"""
-    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0]]).log()  # [0, 0.69, 1.10, 1.39]
-    # softmax = [1, 2, 3, 4] / 10; top 2 = experts 3, 2 with 0.4, 0.3; renormalised 4/7, 3/7
-    weights, experts = route(logits, 2, True)
-    expect_equal("experts of the hand-worked example", experts.tolist(), [[3, 2]])
-    if _close(weights, torch.tensor([[0.4, 0.3]])):
-        raise AssertionError(
-            "weights [0.4, 0.3] are the softmax probabilities; with norm_topk_prob=True "
-            "renormalise the k kept weights to sum to 1 (expected [4/7, 3/7]) — no renormalisation"
-        )
-    expect_close("renormalised weights", weights, torch.tensor([[4 / 7, 3 / 7]]), atol=1e-6)
-    weights, _ = route(logits, 2, False)
-    if _close(weights, torch.tensor([[4 / 7, 3 / 7]])):
-        raise AssertionError(
-            "with norm_topk_prob=False the weights are the softmax over ALL experts, [0.4, 0.3]; "
-            "yours sum to 1: a softmax taken after top-k renormalises whether asked or not"
-        )
-    expect_close("weights without renormalisation", weights, torch.tensor([[0.4, 0.3]]), atol=1e-6)
+def _hand_logits(norm):  # softmax of [ln 1, ln 2, ln 3, ln 4] = [1, 2, 3, 4] / 10
+    return lambda g: (torch.tensor([[1.0, 2.0, 3.0, 4.0]]).log(), 2, norm)
 
 
-@public("ch03.route")
-def _(route):
-    """random logits, renormalisation on and off"""
-    logits = randn(20, 8, seed=1) * 2
-    _expect_route(route, logits, 3, True, "20 tokens, 8 experts, k=3, norm on")
-    _expect_route(route, logits, 3, False, "20 tokens, 8 experts, k=3, norm off")
+def _random_logits(N, E, k, norm, dtype=torch.float32):
+    return lambda g: ((randn(N, E, g=g) * 2).to(dtype), k, norm)
 
 
-@public("ch03.route")
-def _(route):
-    """bfloat16 logits: float32 softmax, weights returned in bfloat16"""
-    logits = (randn(64, 16, seed=2) * 2).bfloat16()
-    weights, experts = route(logits, 4, True)
-    expect_equal("weights dtype (the logits' dtype)", weights.dtype, torch.bfloat16)
-    probs = torch.softmax(logits.float(), -1)
-    top = probs.topk(4, -1)
-    want = (top.values / top.values.sum(-1, keepdim=True)).bfloat16()
-    if not torch.equal(weights, want):
-        raise AssertionError(
-            "bfloat16 logits: take the softmax and the renormalisation in float32 "
-            "(torch.softmax(..., dtype=torch.float32)) and cast only the final weights; "
-            f"{int((weights != want).sum())} of {want.numel()} weights differ from that"
-        )
-    expect_equal("experts for bfloat16 logits", experts, top.indices)
+def _route_hidden(norm):
+    def inputs(g):
+        E = 2 ** between(g, 2, 7)
+        return _random_logits(between(g, 1, 40), E, between(g, 1, min(E, 8)), norm)(g)
+
+    return inputs
 
 
-@hidden("ch03.route")
-def _(route):
-    for seed, (n, e, k) in enumerate([(1, 4, 1), (9, 6, 6), (33, 64, 8), (5, 128, 8)]):
-        logits = randn(n, e, seed=10 + seed) * 3
-        for norm in (True, False):
-            _expect_route(route, logits, k, norm, f"{n} tokens, {e} experts, k={k}, norm={norm}")
+case(
+    "ch03.route",
+    "hand-worked: logits [ln 1, ln 2, ln 3, ln 4], k = 2, renormalised: 4/7, 3/7",
+    _hand_logits(True),
+    _route,
+    _routed([4 / 7, 3 / 7]),
+    atol=1e-6,
+)
+case(
+    "ch03.route",
+    "hand-worked: logits [ln 1, ln 2, ln 3, ln 4], k = 2, not renormalised: 0.4, 0.3",
+    _hand_logits(False),
+    _route,
+    _routed([0.4, 0.3]),
+    atol=1e-6,
+)
+for norm in (True, False):
+    case(
+        "ch03.route",
+        f"20 tokens, 8 experts, k=3, norm_topk_prob={norm}",
+        _random_logits(20, 8, 3, norm),
+        _route,
+        atol=1e-6,
+        rtol=1e-5,
+        seed=1,
+    )
+    case(
+        "ch03.route",
+        f"other sizes, norm_topk_prob={norm}",
+        _route_hidden(norm),
+        _route,
+        atol=1e-6,
+        rtol=1e-5,
+        hidden=True,
+    )
+case(
+    "ch03.route",
+    "bfloat16 logits: float32 softmax, weights returned in bfloat16",
+    _random_logits(64, 16, 4, True, torch.bfloat16),
+    _route,
+    seed=2,
+)
+
+
+@mistake(
+    "ch03.route",
+    "with norm_topk_prob=True the k weights must be renormalised to sum to 1; yours are the raw "
+    "softmax probabilities (no renormalisation)",
+)
+def route_never_renormalises(logits, k, norm_topk_prob=True):
+    probs = torch.softmax(logits, -1, dtype=torch.float32)
+    w, i = probs.topk(k, -1)
+    return w.to(logits.dtype), i
+
+
+@mistake(
+    "ch03.route",
+    "with norm_topk_prob=False the weights are the probabilities of the softmax over ALL "
+    "experts; yours sum to 1 over the top k (a softmax taken after top-k renormalises whether "
+    "asked or not)",
+)
+def route_softmax_after_topk(logits, k, norm_topk_prob=True):
+    top = logits.float().topk(k, -1)  # the k largest logits, softmax over them only
+    return torch.softmax(top.values, -1).to(logits.dtype), top.indices
+
+
+@mistake(
+    "ch03.route",
+    "bfloat16 logits: take the softmax and the renormalisation in float32 "
+    "(torch.softmax(..., dtype=torch.float32)) and cast only the final weights",
+)
+def route_softmax_in_bfloat16(logits, k, norm_topk_prob=True):
+    probs = torch.softmax(logits, -1)  # in the logits' dtype
+    w, i = probs.topk(k, -1)
+    if norm_topk_prob:
+        w = w / w.sum(-1, keepdim=True)
+    return w, i
 
 
 # --- grouped_dispatch -----------------------------------------------------------------------------
 
 
-def _experts(n: int, h: int, seed: int) -> tuple[list[nn.Module], dict]:
-    """n non-linear experts (tanh of a linear map: a sum of inputs would not pass) as plain torch
-    modules, and a record of how often and on how many rows each is called (forward hooks)."""
-    g, experts, calls = seeded(seed), [], {}
-    for e in range(n):
+def _experts(g, n: int, h: int) -> list[nn.Module]:
+    """n non-linear experts (tanh of a linear map: a sum of inputs would not pass)."""
+    experts = []
+    for _ in range(n):
         linear = nn.Linear(h, h, bias=False)
         with torch.no_grad():
             linear.weight.copy_(torch.randn(h, h, generator=g) / h**0.5)
-        expert = nn.Sequential(linear, nn.Tanh())
-        calls[e] = [0, 0]
-
-        def count(module, inputs, output, e=e):
-            calls[e][0] += 1
-            calls[e][1] += inputs[0].shape[0]
-
-        expert.register_forward_hook(count)
-        experts.append(expert)
-    return experts, calls
+        experts.append(nn.Sequential(linear, nn.Tanh()))
+    return experts
 
 
-def _apply(expert: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The expert's function, computed here without calling (and counting) the module."""
-    return torch.tanh(x @ expert[0].weight.T)
+def _dispatch_inputs(N, H, E, k):
+    def inputs(g):
+        x, logits = randn(N, H, g=g), randn(N, E, g=g) * 2
+        return (x, *ref.route(logits, k, True), _experts(g, E, H))
+
+    return inputs
 
 
-def _expect_dispatch(dispatch, n, h, e, k, seed, what):
-    x = randn(n, h, seed=seed)
-    logits = randn(n, e, seed=seed + 1) * 2
-    weights, idx = ref.route(logits, k, True)
-    experts, calls = _experts(e, h, seed + 2)
-    want, unweighted = torch.zeros_like(x), torch.zeros_like(x)
+def _dispatch_hidden(g):
+    E = between(g, 2, 32)
+    return _dispatch_inputs(between(g, 1, 40), 4 * between(g, 1, 4), E, between(g, 1, min(E, 4)))(g)
+
+
+def _dispatched(grouped_dispatch, x, weights, idx, experts):
+    """The output, and how often and on how many rows each expert ran (forward hooks)."""
+    calls, rows = [0] * len(experts), [0] * len(experts)
+
+    def count(module, inputs, output, e):
+        calls[e] += 1
+        rows[e] += inputs[0].shape[0]
+
+    for e, expert in enumerate(experts):
+        expert.register_forward_hook(lambda *hook, e=e: count(*hook, e))
     with torch.no_grad():
-        for t in range(n):  # the definition, token by token
-            for s in range(k):
-                y = _apply(experts[int(idx[t, s])], x[t : t + 1])[0]
-                want[t] += weights[t, s] * y
-                unweighted[t] += y
-        got = dispatch(x, weights, idx, experts)
-    expect_equal(f"{what}: output shape", tuple(got.shape), (n, h))
-    if not _close(want, unweighted) and _close(got, unweighted):
-        raise AssertionError(
-            f"{what}: the outputs are summed without their routing weights; multiply each "
-            "expert's output by the token's weight for that expert"
-        )
-    expect_close(f"{what}: output vs the token-by-token definition", got, want, atol=1e-5)
-    chosen = set(idx.flatten().tolist())
-    for j in range(e):
-        n_calls, rows = calls[j]
-        if j not in chosen and n_calls:
-            raise AssertionError(
-                f"{what}: expert {j} was chosen by no token but was called: run only the "
-                "experts that received tokens"
-            )
-        if n_calls > 1:
-            raise AssertionError(
-                f"{what}: expert {j} was called {n_calls} times; group its tokens and call it "
-                "once (one call per expert, not per token or per slot)"
-            )
-        expected_rows = int((idx == j).sum())
-        if n_calls and rows != expected_rows:
-            raise AssertionError(
-                f"{what}: expert {j} ran on {rows} rows; it was chosen by {expected_rows} "
-                "tokens, so it should see exactly those rows (not the whole batch, as a dense "
-                "masked dispatch would)"
-            )
+        out = grouped_dispatch(x, weights, idx, experts)
+    return {
+        "output [N, H]": out,
+        "calls of each expert (one per expert chosen, none for the others)": calls,
+        "rows each expert ran on (the tokens that chose it)": rows,
+    }
 
 
-@public("ch03.grouped_dispatch")
-def _(grouped_dispatch):
-    """hand-worked: 2 tokens, 3 experts that scale their input, k = 2"""
-    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
-    experts = []
-    for scale in (10.0, 100.0, 1000.0):
-        expert = nn.Linear(2, 2, bias=False)
-        with torch.no_grad():
-            expert.weight.copy_(scale * torch.eye(2))
-        experts.append(expert)
-    weights = torch.tensor([[0.75, 0.25], [0.5, 0.5]])
-    idx = torch.tensor([[2, 0], [0, 1]])
+def _scaling_experts(g):
     # token 0: 0.75 * 1000 x0 + 0.25 * 10 x0 = 752.5 x0; token 1: 0.5 * 10 x1 + 0.5 * 100 x1
-    got = grouped_dispatch(x, weights, idx, experts)
-    if _close(got, torch.tensor([[1010.0, 2020.0], [330.0, 440.0]])):
-        raise AssertionError(
-            "the experts' outputs are summed without their routing weights; multiply each "
-            "expert's output by the token's weight for that expert"
-        )
-    expect_close(
-        "hand-worked dispatch (token 0 = 0.75 expert_2(x0) + 0.25 expert_0(x0), "
-        "token 1 = 0.5 expert_0(x1) + 0.5 expert_1(x1))",
-        got,
-        torch.tensor([[752.5, 1505.0], [165.0, 220.0]]),
-        atol=1e-4,
+    experts = [nn.Linear(2, 2, bias=False) for _ in range(3)]
+    with torch.no_grad():
+        for expert, scale in zip(experts, (10.0, 100.0, 1000.0), strict=True):
+            expert.weight.copy_(scale * torch.eye(2))
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    return x, torch.tensor([[0.75, 0.25], [0.5, 0.5]]), torch.tensor([[2, 0], [0, 1]]), experts
+
+
+case(
+    "ch03.grouped_dispatch",
+    "hand-worked (token 0 = 0.75 expert_2(x0) + 0.25 expert_0(x0), token 1 = 0.5 expert_0(x1) + "
+    "0.5 expert_1(x1))",
+    _scaling_experts,
+    expected=lambda *_: torch.tensor([[752.5, 1505.0], [165.0, 220.0]]),
+    atol=1e-4,
+)
+case(
+    "ch03.grouped_dispatch",
+    "12 tokens, 6 experts, k=2: each chosen expert called once",
+    _dispatch_inputs(12, 8, 6, 2),
+    _dispatched,
+    atol=1e-5,
+    seed=20,
+)
+for n in range(3):
+    case(
+        "ch03.grouped_dispatch",
+        f"other sizes {n + 1}",
+        _dispatch_hidden,
+        _dispatched,
+        atol=1e-5,
+        hidden=True,
     )
 
 
-@public("ch03.grouped_dispatch")
-def _(grouped_dispatch):
-    """random tokens: equal to the token-by-token definition, each chosen expert called once"""
-    _expect_dispatch(grouped_dispatch, 12, 8, 6, 2, 20, "12 tokens, 6 experts, k=2")
+@mistake(
+    "ch03.grouped_dispatch",
+    "the experts' outputs are summed without their routing weights; multiply each expert's "
+    "output by the token's weight for that expert",
+)
+def dispatch_forgets_the_weights(x, weights, experts_idx, experts):
+    return ref.grouped_dispatch(x, torch.ones_like(weights), experts_idx, experts)
 
 
-@hidden("ch03.grouped_dispatch")
-def _(grouped_dispatch):
-    for seed, (n, h, e, k) in enumerate([(1, 4, 4, 1), (7, 16, 3, 3), (40, 8, 32, 4)]):
-        _expect_dispatch(grouped_dispatch, n, h, e, k, 30 + 5 * seed, f"{n} tokens, {e} experts")
+@mistake(
+    "ch03.grouped_dispatch",
+    "an expert is called more than once; group its tokens and call it once (one call per "
+    "expert, not per token or per slot)",
+)
+def dispatch_one_call_per_slot(x, weights, experts_idx, experts):
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for s in range(experts_idx.shape[1]):
+            out[t] += weights[t, s] * experts[int(experts_idx[t, s])](x[t : t + 1])[0]
+    return out
+
+
+@mistake(
+    "ch03.grouped_dispatch",
+    "every expert runs on the whole batch (a dense masked dispatch): run only the experts that "
+    "received tokens, each on exactly the rows of the tokens that chose it",
+)
+def dispatch_dense_masked(x, weights, experts_idx, experts):
+    out = torch.zeros_like(x)
+    for e in range(len(experts)):
+        w = (weights * (experts_idx == e)).sum(-1, keepdim=True)  # [N, 1], 0 if not chosen
+        out += w * experts[e](x)
+    return out
+
+
+@mistake(
+    "ch03.grouped_dispatch",
+    "the outputs go back to the wrong tokens: slot s of the flattened [N·k] choices belongs to "
+    "token s // k",
+)
+def dispatch_wrong_token_of_slot(x, weights, experts_idx, experts):
+    N, k = experts_idx.shape
+    flat = experts_idx.reshape(-1)
+    out = torch.zeros_like(x)
+    for e in flat.unique().tolist():
+        slots = (flat == e).nonzero().squeeze(1)
+        tokens = slots % N  # should be slots // k
+        y = experts[e](x[tokens]) * weights.reshape(-1)[slots, None]
+        out.index_add_(0, tokens, y)
+    return out
 
 
 # --- shared_expert_output -------------------------------------------------------------------------
 
 
-def _shared_parts(h: int, seed: int):
-    expert = MLP(h, 2 * h)
-    gate = nn.Linear(h, 1, bias=False)
-    g = seeded(seed)
-    with torch.no_grad():
-        for p in list(expert.parameters()) + list(gate.parameters()):
-            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-    return expert, gate
+def _shared_inputs(*shape, gate_zero=False):
+    def inputs(g):
+        h = shape[-1]
+        expert, gate = MLP(h, 2 * h), nn.Linear(h, 1, bias=False)
+        with torch.no_grad():
+            for p in list(expert.parameters()) + list(gate.parameters()):
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+            gate.weight.mul_(0 if gate_zero else 3)
+        return randn(*shape, g=g), expert, gate
+
+    return inputs
 
 
-def _expect_shared(fn, x, expert, gate, what):
-    with torch.no_grad():
-        got = fn(x, expert, gate)
-        y, logit = expert(x), gate(x)
-        want = y / (1 + torch.exp(-logit))  # sigmoid written out
-    expect_equal(f"{what}: shape", tuple(got.shape), tuple(x.shape))
-    if _close(got, y):
-        raise AssertionError(
-            f"{what}: the output is the shared expert's, unscaled: the gate is missing (a "
-            "softmax over its ONE logit is always 1); scale by sigmoid(shared_expert_gate(x))"
-        )
-    if _close(got, logit * y):
-        raise AssertionError(
-            f"{what}: the output is scaled by the raw gate logit; the sigmoid is missing — "
-            "scale by sigmoid(shared_expert_gate(x)), a number between 0 and 1"
-        )
-    expect_close(f"{what}: gated shared-expert output", got, want, atol=1e-6, rtol=1e-5)
+def _no_grad(fn):
+    def call(impl, *arguments):
+        with torch.no_grad():
+            return fn(impl, *arguments)
+
+    return call
 
 
-@public("ch03.shared_expert_output")
-def _(shared_expert_output):
-    """hand-worked: a gate logit of 0 halves the shared expert's output"""
-    expert, gate = _shared_parts(4, seed=40)
-    with torch.no_grad():
-        gate.weight.zero_()
-        x = randn(1, 3, 4, seed=41)
-        got, y = shared_expert_output(x, expert, gate), expert(x)
-    if _close(got, y):
-        raise AssertionError(
-            "with a gate logit of 0 the output must be half the shared expert's, but it is "
-            "unscaled: the gate is missing (a softmax over one logit is always 1); use a sigmoid"
-        )
-    if _close(got, torch.zeros_like(y)):
-        raise AssertionError(
-            "with a gate logit of 0 the output must be half the shared expert's, but it is 0: "
-            "the raw logit multiplies the output; the sigmoid is missing"
-        )
-    expect_close("gate logit 0 -> 0.5 * shared_expert(x)", got, 0.5 * y, atol=1e-6)
+shared = _no_grad(lambda impl, *arguments: impl(*arguments))
+case(
+    "ch03.shared_expert_output",
+    "hand-worked: a gate logit of 0 halves the shared expert's output",
+    _shared_inputs(1, 3, 4, gate_zero=True),
+    shared,
+    _no_grad(lambda x, expert, gate: 0.5 * expert(x)),
+    atol=1e-6,
+    seed=40,
+)
+case(
+    "ch03.shared_expert_output",
+    "random weights, tokens [B, T, H]",
+    _shared_inputs(2, 5, 8),
+    shared,
+    atol=1e-6,
+    rtol=1e-5,
+    seed=42,
+)
+case(
+    "ch03.shared_expert_output",
+    "tokens [N, H]",
+    _shared_inputs(7, 16),
+    shared,
+    atol=1e-6,
+    rtol=1e-5,
+    hidden=True,
+)
 
 
-@public("ch03.shared_expert_output")
-def _(shared_expert_output):
-    """random weights, tokens of shape [B, T, H]"""
-    expert, gate = _shared_parts(8, seed=42)
-    _expect_shared(shared_expert_output, randn(2, 5, 8, seed=43), expert, gate, "[2, 5, 8]")
+@mistake(
+    "ch03.shared_expert_output",
+    "the output is scaled by the raw gate logit; the sigmoid is missing: scale by "
+    "sigmoid(shared_expert_gate(x)), a number between 0 and 1",
+)
+def shared_without_sigmoid(x, shared_expert, shared_expert_gate):
+    return shared_expert_gate(x) * shared_expert(x)
 
 
-@hidden("ch03.shared_expert_output")
-def _(shared_expert_output):
-    expert, gate = _shared_parts(16, seed=44)
-    _expect_shared(shared_expert_output, randn(7, 16, seed=45) * 3, expert, gate, "[7, 16]")
+@mistake(
+    "ch03.shared_expert_output",
+    "the output is the shared expert's, unscaled: the gate is missing (a softmax over one logit "
+    "is always 1); scale by sigmoid(shared_expert_gate(x))",
+)
+def shared_with_softmax(x, shared_expert, shared_expert_gate):
+    return torch.softmax(shared_expert_gate(x), dim=-1) * shared_expert(x)
 
 
 # --- routing_statistics ---------------------------------------------------------------------------
 
 
-def _stats_by_hand(logits, k):
-    probs = torch.softmax(logits.double(), -1)
-    onehot = F.one_hot(probs.topk(k, -1).indices, logits.shape[-1]).sum(1)  # [N, E] 0/1
-    return onehot.sum(0).double(), probs.sum(0), logits.shape[0]
+def _statistics(routing_statistics, logits, k):
+    parts = "counts [E] (summing to N * k)", "prob_sums [E] (softmax over ALL experts)", "N"
+    return named(routing_statistics(logits, k), *parts)
 
 
-def _expect_stats(fn, logits, k, what):
-    out = fn(logits, k)
-    if not (isinstance(out, tuple | list) and len(out) == 3):
-        raise AssertionError(f"{what}: return (counts, prob_sums, n_tokens)")
-    counts, prob_sums, n = out
-    want_c, want_p, want_n = _stats_by_hand(logits, k)
-    if _close(counts.double(), want_c / (want_n * k)) or _close(counts.double(), want_c / want_n):
-        raise AssertionError(
-            f"{what}: counts are fractions; return raw counts (they sum to N * k), so that "
-            "statistics of several batches can be added"
-        )
-    expect_close(f"{what}: counts (summing to N * k)", counts.double(), want_c, atol=0, rtol=0)
-    if _close(prob_sums.double(), want_p / want_n):
-        raise AssertionError(f"{what}: prob_sums are means; return sums over the tokens")
-    expect_close(f"{what}: prob_sums (softmax over ALL experts)", prob_sums, want_p, atol=1e-5)
-    expect_equal(f"{what}: number of tokens", int(n), want_n)
+case(
+    "ch03.routing_statistics",
+    "hand-worked: 3 tokens, 3 experts, k = 2: every expert chosen twice",
+    lambda g: (torch.tensor([[5.0, 4.0, 0.0], [0.0, 5.0, 4.0], [5.0, 0.0, 4.0]]), 2),
+    _statistics,
+    atol=1e-6,
+)
+case(
+    "ch03.routing_statistics",
+    "30 tokens, 8 experts, k=2",
+    lambda g: (randn(30, 8, g=g) * 2, 2),
+    _statistics,
+    atol=1e-5,
+    seed=50,
+)
+case(
+    "ch03.routing_statistics",
+    "other sizes",
+    lambda g: (randn(between(g, 1, 30), 64, g=g) * 2, between(g, 1, 8)),
+    _statistics,
+    atol=1e-5,
+    hidden=True,
+)
 
 
-@public("ch03.routing_statistics")
-def _(routing_statistics):
-    """hand-worked: 3 tokens, 3 experts, k = 2"""
-    logits = torch.tensor([[5.0, 4.0, 0.0], [0.0, 5.0, 4.0], [5.0, 0.0, 4.0]])
-    counts, _, n = routing_statistics(logits, 2)
-    if _close(counts, torch.tensor([1 / 3] * 3)) or _close(counts, torch.tensor([2 / 3] * 3)):
-        raise AssertionError(
-            "counts are fractions; return raw counts (here 2 per expert, summing to N * k = 6) "
-            "so that statistics of several batches can be added"
-        )
-    expect_equal("counts of the hand-worked example", counts.tolist(), [2.0, 2.0, 2.0])
-    expect_equal("n_tokens", int(n), 3)
+@mistake(
+    "ch03.routing_statistics",
+    "counts are fractions; return raw counts (they sum to N * k), so that statistics of several "
+    "batches can be added",
+)
+def stats_as_fractions(logits, k):
+    counts, prob_sums, n = lab.routing_statistics(logits, k)
+    return counts / (n * k), prob_sums, n
 
 
-@public("ch03.routing_statistics")
-def _(routing_statistics):
-    """random logits"""
-    _expect_stats(routing_statistics, randn(30, 8, seed=50) * 2, 2, "30 tokens, 8 experts, k=2")
-
-
-@hidden("ch03.routing_statistics")
-def _(routing_statistics):
-    _expect_stats(routing_statistics, randn(17, 64, seed=51) * 2, 8, "17 tokens, 64 experts, k=8")
-    _expect_stats(routing_statistics, randn(5, 4, seed=52), 1, "5 tokens, 4 experts, k=1")
+@mistake(
+    "ch03.routing_statistics",
+    "prob_sums add only the top-k weights: add the softmax over ALL experts of every token",
+)
+def stats_probs_of_the_top_k_only(logits, k):
+    weights, idx = ref.route(logits, k, True)
+    counts = torch.bincount(idx.reshape(-1), minlength=logits.shape[-1]).float()
+    prob_sums = torch.zeros(logits.shape[-1]).index_add_(0, idx.reshape(-1), weights.reshape(-1))
+    return counts, prob_sums, logits.shape[0]
 
 
 # --- load_balancing_loss --------------------------------------------------------------------------
 
 
-def _loss_by_hand(layers, k, slots=False):
-    """E * sum_e f_e P_e with the statistics of every layer pooled (f over tokens, or slots)."""
-    counts = sum(_stats_by_hand(x, k)[0] for x in layers)
-    probs = sum(_stats_by_hand(x, k)[1] for x in layers)
-    rows = sum(x.shape[0] for x in layers)
-    f = counts / (rows * k if slots else rows)
-    return layers[0].shape[-1] * (f * probs / rows).sum()
+def _balanced(g):  # token i chooses experts i and i + 1: every f_e = 1/2, every P_e = 1/4
+    logits = torch.zeros(4, 4)
+    for i in range(4):
+        logits[i, i] = logits[i, (i + 1) % 4] = 30.0
+    return [logits], 2
 
 
-def _expect_loss(fn, layers, k, what):
-    got = fn(layers, k)
-    got = torch.as_tensor(got).double()
-    want = _loss_by_hand(layers, k)
-    expect_equal(f"{what}: a scalar", tuple(got.shape), ())
-    if k > 1 and _close(got, _loss_by_hand(layers, k, slots=True), 1e-6):
-        raise AssertionError(
-            f"{what}: your loss is {k}x too small: f_e counted as a fraction of the N*k routing "
-            "slots (summing to 1); here f_e is the fraction of TOKENS that chose expert e, which "
-            "sums to k (as in transformers' load_balancing_loss_func)"
-        )
-    E = layers[0].shape[-1]
-    if _close(got * E, want, 1e-6):
-        raise AssertionError(f"{what}: the factor E (number of experts) is missing")
-    if len(layers) > 1:
-        mean = torch.stack([_loss_by_hand([x], k) for x in layers]).mean()
-        if not _close(mean, want, 1e-6) and _close(got, mean, 1e-6):
-            raise AssertionError(
-                f"{what}: you averaged per-layer losses; pool the layers' statistics first "
-                "(sum counts and probabilities over every layer's tokens), as transformers does"
-            )
-    expect_close(f"{what}: loss", got, want, atol=1e-6, rtol=1e-5)
+def _layers(n, N, E, k, scale=2.0):
+    def inputs(g):
+        layers = [randn(N, E, g=g) * scale for _ in range(n)]
+        for i, x in enumerate(layers):  # layers preferring different experts: pooling matters
+            x[:, (2 * i) % E] += 3
+        return layers, k
+
+    return inputs
 
 
-@public("ch03.load_balancing_loss")
-def _(load_balancing_loss):
-    """hand-worked: a perfectly balanced router scores exactly k"""
-    E, k = 4, 2
-    logits = torch.zeros(E, E)
-    for i in range(E):
-        logits[i, i] = logits[i, (i + 1) % E] = 6.0  # token i: experts i and i+1
-    got = torch.as_tensor(load_balancing_loss([logits], k)).double()
-    if _close(got, torch.tensor(1.0), 1e-6):
-        raise AssertionError(
-            "a perfectly balanced router must score k = 2, not 1: f_e is the fraction of TOKENS "
-            "that chose expert e (the f_e sum to k), not the fraction of routing slots"
-        )
-    if _close(got, torch.tensor(0.5), 1e-6):
-        raise AssertionError(
-            "a perfectly balanced router must score k = 2; yours gives k / E = 0.5: the factor E "
-            "(number of experts) is missing"
-        )
-    expect_close("balanced router, E=4, k=2", got, torch.tensor(2.0), atol=1e-6, rtol=0)
+def _layers_hidden(g):
+    E = between(g, 3, 16)
+    return _layers(between(g, 2, 4), between(g, 3, 12), E, between(g, 2, min(E, 4)), 3.0)(g)
 
 
-@public("ch03.load_balancing_loss")
-def _(load_balancing_loss):
-    """random logits, one layer and three layers pooled"""
-    layers = [randn(16, 8, seed=60 + i) * 2 for i in range(3)]
-    for i in range(3):  # a layer preferring experts 0-1, pooled with balanced ones: hidden
-        layers[i][:, 2 * i] += 3
-    _expect_loss(load_balancing_loss, layers[:1], 2, "one layer, E=8, k=2")
-    _expect_loss(load_balancing_loss, layers, 2, "three layers pooled, E=8, k=2")
+case(
+    "ch03.load_balancing_loss",
+    "hand-worked: a perfectly balanced router scores exactly k",
+    _balanced,
+    expected=lambda *_: torch.tensor(2.0),
+    atol=1e-5,
+)
+case(
+    "ch03.load_balancing_loss",
+    "one layer, E=8, k=2",
+    _layers(1, 16, 8, 2),
+    atol=1e-6,
+    rtol=1e-5,
+    seed=60,
+)
+case(
+    "ch03.load_balancing_loss",
+    "three layers pooled, E=8, k=2",
+    _layers(3, 16, 8, 2),
+    atol=1e-6,
+    rtol=1e-5,
+    seed=61,
+)
+for n in range(2):
+    case(
+        "ch03.load_balancing_loss",
+        f"other layers {n + 1}",
+        _layers_hidden,
+        atol=1e-6,
+        rtol=1e-5,
+        hidden=True,
+    )
 
 
-@hidden("ch03.load_balancing_loss")
-def _(load_balancing_loss):
-    layers = [randn(9, 16, seed=70 + i) * 3 for i in range(4)]
-    _expect_loss(load_balancing_loss, layers, 4, "four layers, E=16, k=4")
-    _expect_loss(load_balancing_loss, [randn(5, 3, seed=75)], 1, "E=3, k=1")
+@mistake(
+    "ch03.load_balancing_loss",
+    "the loss is k times too small: f_e counted as a fraction of the N*k routing slots (summing "
+    "to 1); here f_e is the fraction of TOKENS that chose expert e, which sums to k (as in "
+    "transformers' load_balancing_loss_func)",
+)
+def loss_f_over_slots(router_logits, k):
+    return lab.load_balancing_loss(router_logits, k) / k
+
+
+@mistake("ch03.load_balancing_loss", "the factor E (number of experts) is missing")
+def loss_without_factor_e(router_logits, k):
+    return lab.load_balancing_loss(router_logits, k) / router_logits[0].shape[-1]
+
+
+@mistake(
+    "ch03.load_balancing_loss",
+    "you averaged per-layer losses; pool the layers' statistics first (sum counts and "
+    "probabilities over every layer's tokens), as transformers does",
+)
+def loss_mean_of_layers(router_logits, k):
+    return torch.stack([lab.load_balancing_loss([x], k) for x in router_logits]).mean()
 
 
 # --- global_load_balancing_loss -------------------------------------------------------------------
 
 
-def _domains(sizes, E, layers, seed):
+def _domains(sizes, E, layers, k):
     """Micro-batches from different 'domains': micro-batch m prefers expert m strongly."""
-    micro = []
-    for m, n in enumerate(sizes):
-        micro.append([randn(n, E, seed=seed + 10 * m + i) for i in range(layers)])
-        for x in micro[-1]:
-            x[:, m % E] += 4
-    return micro
+
+    def inputs(g):
+        micro = [[randn(n, E, g=g) for _ in range(layers)] for n in sizes]
+        for m, batch in enumerate(micro):
+            for x in batch:
+                x[:, m % E] += 4
+        return micro, k
+
+    return inputs
 
 
-def _expect_global(fn, micro, k, what):
-    got = torch.as_tensor(fn(micro, k)).double()
-    layers = len(micro[0])
-    joined = [torch.cat([m[i] for m in micro]) for i in range(layers)]
-    want = _loss_by_hand(joined, k)
-    per_micro = torch.stack([_loss_by_hand(m, k) for m in micro]).mean()
-    if _close(got, per_micro, 1e-6) and not _close(want, per_micro, 1e-6):
-        raise AssertionError(
-            f"{what}: you averaged the micro-batches' own losses (per-micro-batch balancing); "
-            "count f_e over the whole global batch: add the statistics of every micro-batch "
-            "first, then compute one loss"
-        )
-    expect_close(f"{what}: global-batch loss", got, want, atol=1e-6, rtol=1e-5)
+def _domains_hidden(g):
+    sizes = [between(g, 2, 12) for _ in range(between(g, 2, 4))]
+    return _domains(sizes, 16, between(g, 1, 3), between(g, 1, 4))(g)
 
 
-@public("ch03.global_load_balancing_loss")
-def _(global_load_balancing_loss):
-    """hand-worked: two domains, each sending every token to its own expert, balance globally"""
-    a = torch.tensor([[8.0, 0.0]]).repeat(4, 1)
-    b = torch.tensor([[0.0, 8.0]]).repeat(4, 1)
-    got = torch.as_tensor(global_load_balancing_loss([[a], [b]], 1)).double()
-    p = float(torch.sigmoid(torch.tensor(8.0)))
-    if _close(got, torch.tensor(2 * p), 1e-6):
-        raise AssertionError(
-            f"got {float(got):.4f} = 2p, the mean of the two micro-batches' losses: that is "
-            "per-micro-batch balancing; over the global batch f = (1/2, 1/2) and P = (1/2, 1/2), "
-            "so the loss is 1"
-        )
-    expect_close("two opposite domains, E=2, k=1", got, torch.tensor(1.0), atol=1e-6, rtol=0)
+def _opposite(g):  # each domain sends every token to its own expert; globally f = P = (1/2, 1/2)
+    a = torch.tensor([[30.0, 0.0]]).repeat(4, 1)
+    return [[a], [a.flip(-1)]], 1
 
 
-@public("ch03.global_load_balancing_loss")
-def _(global_load_balancing_loss):
-    """three domain micro-batches, two layers"""
-    micro = _domains([6, 6, 6], 8, 2, seed=80)
-    _expect_global(global_load_balancing_loss, micro, 2, "3 micro-batches x 2 layers, k=2")
+case(
+    "ch03.global_load_balancing_loss",
+    "3 micro-batches x 2 layers, k=2",
+    _domains([6, 6, 6], 8, 2, 2),
+    atol=1e-6,
+    rtol=1e-5,
+    seed=80,
+)
+case(
+    "ch03.global_load_balancing_loss",
+    "hand-worked: two opposite domains, E=2, k=1, balance globally: loss 1",
+    _opposite,
+    expected=lambda *_: torch.tensor(1.0),
+    atol=1e-5,
+)
+case(
+    "ch03.global_load_balancing_loss",
+    "unequal micro-batches",
+    _domains_hidden,
+    atol=1e-6,
+    rtol=1e-5,
+    hidden=True,
+)
 
 
-@hidden("ch03.global_load_balancing_loss")
-def _(global_load_balancing_loss):
-    micro = _domains([3, 11, 5, 8], 16, 3, seed=90)
-    _expect_global(global_load_balancing_loss, micro, 4, "unequal micro-batches, k=4")
+@mistake(
+    "ch03.global_load_balancing_loss",
+    "you averaged the micro-batches' own losses (per-micro-batch balancing); count f_e over the "
+    "whole global batch: add the statistics of every micro-batch first, then compute one loss",
+)
+def global_per_micro_batch(micro_batches, k):
+    return torch.stack([lab.load_balancing_loss(m, k) for m in micro_batches]).mean()
+
+
+@mistake(
+    "ch03.global_load_balancing_loss",
+    "only one micro-batch counts: add the statistics of every micro-batch, then compute one loss",
+)
+def global_last_micro_batch_only(micro_batches, k):
+    return lab.load_balancing_loss(micro_batches[-1], k)
 
 
 # --- split_mlp ------------------------------------------------------------------------------------
 
 
-def _dense(h: int, i: int, seed: int) -> MLP:
-    mlp = MLP(h, i)
-    g = seeded(seed)
+def _dense(H, I, E):
+    def inputs(g):
+        mlp = MLP(H, I)
+        with torch.no_grad():
+            for p in mlp.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+        return mlp, E
+
+    return inputs
+
+
+def _split(split_mlp, dense, E):
+    experts = split_mlp(dense, E)
+    names = ("gate_proj", "up_proj", "down_proj")
+    weights = [{n: getattr(expert, n).weight.detach().clone() for n in names} for expert in experts]
     with torch.no_grad():
-        for p in mlp.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-    return mlp
+        dense.gate_proj.weight.add_(1.0)  # a copy does not follow the dense MLP
+    return {
+        "the experts' weights": weights,
+        "each expert's gate_proj after the dense MLP changes (a copy, not a view)": [
+            expert.gate_proj.weight.detach().clone() for expert in experts
+        ],
+    }
 
 
-def _expect_split(split_mlp, h, i, e, seed, what):
-    dense = _dense(h, i, seed)
-    experts = split_mlp(dense, e)
-    expect_equal(f"{what}: number of experts", len(experts), e)
-    w = i // e
-    for name, shape in [("gate_proj", (w, h)), ("up_proj", (w, h)), ("down_proj", (h, w))]:
-        got = tuple(getattr(experts[0], name).weight.shape)
-        if got != shape:
-            raise AssertionError(
-                f"{what}: expert 0's {name}.weight is {list(got)}, expected {list(shape)}: split "
-                "along the INTERMEDIATE dimension (rows of gate_proj and up_proj, columns of "
-                "down_proj), not along the hidden one"
-            )
-    for j in (0, e - 1):
-        rows = slice(j * w, (j + 1) * w)
-        for name, want in [
-            ("gate_proj", dense.gate_proj.weight[rows]),
-            ("up_proj", dense.up_proj.weight[rows]),
-            ("down_proj", dense.down_proj.weight[:, rows]),
-        ]:
-            if not torch.equal(getattr(experts[j], name).weight, want):
-                raise AssertionError(
-                    f"{what}: expert {j}'s {name} must hold intermediate neurons "
-                    f"{j * w}..{(j + 1) * w - 1} of the dense MLP (a contiguous block; for "
-                    "down_proj these are columns)"
-                )
-    x = randn(5, h, seed=seed + 1)
-    with torch.no_grad():
-        total = sum(expert(x) for expert in experts)
-        expect_close(f"{what}: sum of the experts vs the dense MLP", total, dense(x), atol=1e-5)
-    with torch.no_grad():
-        dense.gate_proj.weight.add_(1.0)
-        if torch.equal(experts[0].gate_proj.weight, dense.gate_proj.weight[:w]):
-            raise AssertionError(
-                f"{what}: the experts share storage with the dense MLP (a view): copy the weights"
-            )
+case(
+    "ch03.split_mlp",
+    "a dense MLP of width 12 into 3 experts of width 4",
+    _dense(6, 12, 3),
+    _split,
+    seed=100,
+)
+case(
+    "ch03.split_mlp",
+    "other sizes",
+    lambda g: _dense(4 * between(g, 1, 4), 8, 2 ** between(g, 0, 3))(g),
+    _split,
+    hidden=True,
+)
+case("ch03.split_mlp", "one expert", _dense(4, 10, 1), _split, hidden=True)
 
 
-@public("ch03.split_mlp")
-def _(split_mlp):
-    """a dense MLP of width 12 into 3 experts of width 4"""
-    _expect_split(split_mlp, 6, 12, 3, seed=100, what="H=6, I=12, E=3")
+def _experts_from(chunks, H):
+    experts = nn.ModuleList()
+    for gate, up, down in chunks:
+        expert = MLP(H, gate.shape[0])
+        expert.gate_proj.weight = nn.Parameter(gate.clone())
+        expert.up_proj.weight = nn.Parameter(up.clone())
+        expert.down_proj.weight = nn.Parameter(down.clone())
+        experts.append(expert)
+    return experts
 
 
-@hidden("ch03.split_mlp")
-def _(split_mlp):
-    _expect_split(split_mlp, 16, 64, 8, seed=110, what="H=16, I=64, E=8")
-    _expect_split(split_mlp, 4, 10, 1, seed=120, what="H=4, I=10, E=1")
+def _weights(mlp):
+    return (m.weight.detach() for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+
+
+ALONG = (
+    "split along the INTERMEDIATE dimension (rows of gate_proj and up_proj, columns of "
+    "down_proj), not along the hidden one"
+)
+
+
+@mistake("ch03.split_mlp", f"down_proj is split by rows: {ALONG}")
+def split_down_proj_along_rows(mlp, num_experts):
+    g, u, d = _weights(mlp)
+    E = num_experts
+    return _experts_from(zip(g.chunk(E, 0), u.chunk(E, 0), d.chunk(E, 0), strict=True), g.shape[1])
+
+
+@mistake("ch03.split_mlp", f"the hidden dimension is split: {ALONG}")
+def split_along_hidden(mlp, num_experts):
+    g, u, d = _weights(mlp)
+    E = num_experts
+    return _experts_from(zip(g.chunk(E, 1), u.chunk(E, 1), d.chunk(E, 0), strict=True), g.shape[1])
+
+
+@mistake(
+    "ch03.split_mlp",
+    "every E-th neuron is taken: expert j holds intermediate neurons j·I/E … (j+1)·I/E - 1 of "
+    "the dense MLP (a contiguous block; for down_proj these are columns)",
+)
+def split_strided_neurons(mlp, num_experts):
+    g, u, d = _weights(mlp)
+    E = num_experts
+    return _experts_from(((g[e::E], u[e::E], d[:, e::E]) for e in range(E)), g.shape[1])
+
+
+@mistake(
+    "ch03.split_mlp",
+    "the experts share storage with the dense MLP (a view): copy the weights",
+)
+def split_sharing_storage(mlp, num_experts):
+    E, H = num_experts, mlp.gate_proj.in_features
+    experts = nn.ModuleList()
+    for gate, up, down in zip(
+        mlp.gate_proj.weight.chunk(E, 0),
+        mlp.up_proj.weight.chunk(E, 0),
+        mlp.down_proj.weight.chunk(E, 1),
+        strict=True,
+    ):
+        expert = MLP(H, gate.shape[0])
+        expert.gate_proj.weight.data = gate.data  # a view of the dense weight
+        expert.up_proj.weight.data = up.data
+        expert.down_proj.weight.data = down.data
+        experts.append(expert)
+    return experts

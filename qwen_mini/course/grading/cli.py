@@ -24,6 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .. import checking
 from ..notebooks import NotebookError
 from .plan import ROOT, GraderError, display_name, load_reference, read_submission
 from .report import Grades, csv_text, number, report_name, write_atomic, write_report
@@ -113,6 +114,7 @@ def _say(text: str) -> None:
 
 
 def _grade_all(options) -> int:
+    checking.new_secret()  # this run's hidden inputs, the same for every notebook of the run
     ref = load_reference(options.solutions, options.chapter)
     files, empty = submissions(options.files)
     reports = options.reports or options.out.with_name(options.out.stem + "-reports")
