@@ -142,7 +142,7 @@ def check_config_json(d: object, source: str = "config.json") -> None:
 
     if d.get("model_type") not in ARCHITECTURES:
         return  # Config.from_dict names the model type first: its fields may mean other things
-    problems = _type_problems(d, text_fields(d))
+    problems = _type_problems(d, text_fields(d), ARCHITECTURES[d["model_type"]])
     if not problems:  # the relations between fields can only be read off well-typed fields
         problems = _relation_problems(text_fields(d), ARCHITECTURES[d["model_type"]])
     if problems:
@@ -154,13 +154,14 @@ def check_config_json(d: object, source: str = "config.json") -> None:
         )
 
 
-def _type_problems(d: dict, t: dict) -> list[str]:
-    """Each field on its own: present if required, of the right JSON type, in range."""
+def _type_problems(d: dict, t: dict, arch) -> list[str]:
+    """Each field on its own: present if required (unless the row `arch` gives it a default),
+    of the right JSON type, in range."""
     problems = []
     if "text_config" in d and not isinstance(d["text_config"], (dict, type(None))):
         problems.append(f"text_config must be an object, got a JSON {json_type(d['text_config'])}")
     for name in REQUIRED_SIZES:
-        if name not in t:
+        if name not in t and name not in arch.config_defaults:
             problems.append(f"{name} is missing (required)")
     # a model of no layers (the embedding, then the head) is a model too: the course builds one
     checks = [(n, 0 if n == "num_hidden_layers" else 1) for n in REQUIRED_SIZES + OPTIONAL_SIZES]
@@ -295,12 +296,20 @@ def _relation_problems(t: dict, arch) -> list[str]:
             f"dimensions of each head, which must be an even number >= 2 (pairs are rotated)"
         )
     problems += _moe_problems(t)
-    from .deltanet import GatedDeltaNet
-
-    if arch.mixers.get("linear_attention") is GatedDeltaNet:
+    if "linear_attention" in arch.mixers:
         problems += _linear_attention_problems(t)
     problems += _sliding_window_problems(t, arch)
-    return problems
+    return problems + _block_problems(t, arch)
+
+
+def _block_problems(t: dict, arch) -> list[str]:
+    """What the row's own blocks need of the config: each block with a `config_problems(t)`
+    (a function of the text model's fields, the row's defaults filled in, giving messages like
+    the ones here) is asked."""
+    blocks = [*arch.mixers.values(), arch.mlp, arch.decoder_layer, arch.forward]
+    checks = dict.fromkeys(getattr(b, "config_problems", None) for b in blocks)  # each once
+    fields = {**arch.config_defaults, **t}
+    return [p for check in checks if check is not None for p in check(fields)]
 
 
 def _moe_problems(t: dict) -> list[str]:
