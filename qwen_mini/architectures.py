@@ -42,6 +42,22 @@ def dense_mlp(cfg: Config, layer_idx: int, arch: Architecture) -> nn.Module:
     return MLP(cfg.hidden_size, cfg.intermediate_size)
 
 
+def shared_expert_moe_mlp(cfg: Config, layer_idx: int, arch: Architecture) -> nn.Module:
+    """Routed experts plus one gated shared expert (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE) in the
+    sparse layers (num_experts, decoder_sparse_step, mlp_only_layers), the dense SwiGLU in the
+    others. The experts are stored one by one; the loader also reads the fused layout."""
+    if not cfg.is_sparse_layer(layer_idx):
+        return dense_mlp(cfg, layer_idx, arch)
+    return SharedExpertMoeBlock(
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        cfg.num_experts,
+        cfg.num_experts_per_tok,
+        cfg.shared_expert_intermediate_size,
+        cfg.norm_topk_prob,
+    )
+
+
 def token_embedding(cfg: Config, arch: Architecture) -> nn.Module:
     """One learned vector per token id: what the checkpoint calls embed_tokens."""
     return nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -63,18 +79,6 @@ def pre_norm_layer(cfg: Config, layer_idx: int, arch: Architecture) -> nn.Module
 def final_norm(cfg: Config, arch: Architecture) -> nn.Module:
     """The norm between the last layer and the head (the checkpoint's model.norm)."""
     return arch.norm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-def shared_expert_moe(cfg: Config, layer_idx: int, arch: Architecture) -> nn.Module:
-    """Routed experts plus the gated shared expert, in every layer."""
-    return SharedExpertMoeBlock(
-        cfg.hidden_size,
-        cfg.moe_intermediate_size,
-        cfg.num_experts,
-        cfg.num_experts_per_tok,
-        cfg.shared_expert_intermediate_size,
-        cfg.norm_topk_prob,
-    )
 
 
 @dataclass(frozen=True)
@@ -101,15 +105,21 @@ class Architecture:
         default_factory=lambda: {"full_attention": "self_attn", "linear_attention": "linear_attn"}
     )
     # which layers transformers windows when config.json sets use_sliding_window (refused:
-    # qwen_mini has no sliding-window attention): "from_max_window_layers", "all" or "none"
+    # qwen_mini has no sliding-window attention): "from_max_window_layers", "all",
+    # "alternate_below_max_window_layers" or "none"
     sliding_window_layers: str = "from_max_window_layers"
     # config.json fields this model type defaults differently from Config's defaults
     config_defaults: Mapping[str, object] = field(default_factory=dict)
+    # config.json fields this model type does not read: the one value it builds with; a file
+    # that says otherwise is refused (transformers would ignore the field)
+    fixed_fields: Mapping[str, object] = field(default_factory=dict)
+    # config fields that must be set (> 0) whatever the layer types (experts in every layer)
+    required_fields: tuple[str, ...] = ()
 
     def attention_biases(self, cfg: Config) -> tuple[bool, bool]:
         """(bias on q/k/v, bias on o_proj) of the attention layers."""
-        if self.qkv_bias:
-            return True, False  # Qwen2's, whatever attention_bias says
+        if self.qkv_bias:  # Qwen2's, whatever attention_bias says; qwen2_moe's qkv_bias field
+            return cfg.qkv_bias, False  # can turn it off (default on)
         return cfg.attention_bias, cfg.attention_bias
 
     def with_blocks(self, **blocks) -> Architecture:
@@ -130,8 +140,24 @@ QWEN3_5_ROW = dict(
     norm=ZeroCentredRMSNorm,
     family=QWEN3_5,
     qk_norm=True,
-    config_defaults={"partial_rotary_factor": 0.25},  # as transformers' Qwen3_5TextConfig
+    # as transformers' Qwen3_5TextConfig: RoPE on a quarter of each head, layer_types (when the
+    # file has none) 3 linear : 1 full
+    config_defaults={"partial_rotary_factor": 0.25, "full_attention_interval": 4},
     sliding_window_layers="none",  # transformers' Qwen3.5 has no sliding window
+)
+# Qwen3.5-MoE: the shared-expert mixture of experts in every layer (so no intermediate_size),
+# its router always renormalised; the sizes transformers' Qwen3_5MoeTextConfig defaults to
+QWEN3_5_MOE_ROW = dict(
+    QWEN3_5_ROW,
+    mlp=shared_expert_moe_mlp,
+    config_defaults={
+        **QWEN3_5_ROW["config_defaults"],
+        "intermediate_size": 0,
+        **dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512),
+        "shared_expert_intermediate_size": 512,
+    },
+    fixed_fields={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    required_fields=("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
 )
 
 # Qwen3.8-Flash-Next: Qwen3.5-MoE with Qwen Sparse Attention in the attention layers (the release
@@ -149,7 +175,7 @@ QWEN4_EXP_ROW = dict(
         "indexed_attention": "self_attn",
         "linear_attention": "linear_attn",
     },
-    mlp=shared_expert_moe,
+    mlp=shared_expert_moe_mlp,  # in every layer (decoder_sparse_step 1, no dense layers)
     norm=ZeroCentredRMSNorm,
     decoder_layer=hyper_connected_layer,
     final=StreamReader,  # the read gate alone: the streams mixed into the head's input
@@ -160,6 +186,7 @@ QWEN4_EXP_ROW = dict(
     sliding_window_layers="none",
     config_defaults={  # as transformers' Qwen4ExpTextConfig
         "intermediate_size": 0,  # no dense feed-forward anywhere
+        "full_attention_interval": 4,  # layer_types, when the file has none: 3 linear : 1
         "head_dim": 256,
         "num_experts": 512,
         "num_experts_per_tok": 10,
@@ -181,6 +208,10 @@ QWEN4_EXP_ROW = dict(
         "seed": 1234,
         "split_ngram_parts": 512,
     },
+    # transformers' Qwen4-Exp reads neither (experts in every layer); its router reads
+    # norm_topk_prob, unlike Qwen3.5-MoE's
+    fixed_fields={"decoder_sparse_step": 1, "mlp_only_layers": []},
+    required_fields=("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
 )
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -202,6 +233,29 @@ ARCHITECTURES: dict[str, Architecture] = {
         ignored_prefixes=("model.visual.", "mtp."),  # the vision tower, multi-token prediction
     ),
     "qwen3_5_text": Architecture(**QWEN3_5_ROW, ignored_prefixes=("mtp.",)),
+    # Qwen1.5-MoE / Qwen2-MoE: Qwen2 attention (q/k/v bias by its qkv_bias field), routed
+    # experts plus a gated shared expert, the router not renormalised unless norm_topk_prob
+    "qwen2_moe": Architecture(
+        mixers={"full_attention": Attention},
+        mlp=shared_expert_moe_mlp,
+        qkv_bias=True,
+        sliding_window_layers="alternate_below_max_window_layers",
+        # transformers' Qwen2MoeConfig defaults (Qwen1.5-MoE-A2.7B's sizes)
+        config_defaults=dict(
+            norm_topk_prob=False,
+            num_experts=60,
+            num_experts_per_tok=4,
+            moe_intermediate_size=1408,
+            shared_expert_intermediate_size=5632,
+        ),
+    ),
+    # Qwen3.5-MoE, multimodal (under model.language_model.) and text-only, as qwen3_5 above
+    "qwen3_5_moe": Architecture(
+        **QWEN3_5_MOE_ROW,
+        checkpoint_prefix="model.language_model.",
+        ignored_prefixes=("model.visual.", "mtp."),
+    ),
+    "qwen3_5_moe_text": Architecture(**QWEN3_5_MOE_ROW, ignored_prefixes=("mtp.",)),
     "qwen4_exp": Architecture(
         **QWEN4_EXP_ROW,
         checkpoint_prefix="model.language_model.",
@@ -231,6 +285,12 @@ def check_config(cfg: Config, arch: Architecture, source: str = "config.json") -
             f"layers) out of {', '.join(arch.mixers)} for a {cfg.model_type} model; it has "
             f"{len(cfg.layer_types)} entries" + (f" and {unknown}." if unknown else ".")
         )
+    unset = [name for name in arch.required_fields if not getattr(cfg, name)]
+    if unset:
+        raise ValueError(
+            f"{source}: a {cfg.model_type} model has a mixture of experts in every layer; it "
+            f"needs {', '.join(unset)}, which {'is' if len(unset) == 1 else 'are'} missing or 0."
+        )
     for layer_type in dict.fromkeys(cfg.layer_types):  # each block type once
         needed = getattr(arch.mixers[layer_type], "config_fields", ())
         unset = [name for name in needed if not getattr(cfg, name)]
@@ -248,7 +308,7 @@ def config_from_dict(
     with other blocks), checked against that row."""
     check_config_json(d, source)  # every bad value in one error, before anything is read
     arch = arch if arch is not None else architecture(d.get("model_type"), source)
-    cfg = Config.from_dict(d, source, arch.config_defaults)
+    cfg = Config.from_dict(d, source, {**arch.config_defaults, **arch.fixed_fields})
     check_config(cfg, arch, source)
     return cfg
 

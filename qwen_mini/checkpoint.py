@@ -411,6 +411,63 @@ def _read_index(index: Path) -> dict[str, tuple[Path, torch.dtype, tuple[int, ..
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# Routed experts stored fused (the released Qwen3.5-MoE files) for a model that holds them one
+# by one (what transformers writes): each expert's matrices are views of the fused tensors
+
+FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+Index = tuple[int, slice]  # where one expert's matrix sits in a fused tensor: fused[index]
+
+
+def per_expert_parts(name: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], Index]]:
+    """The per-expert tensors one fused experts tensor holds: {name: (shape, index)}.
+
+    `X.experts.gate_up_proj` [E, 2I, H] holds expert e's gate_proj rows, then its up_proj rows;
+    `X.experts.down_proj` [E, H, I] its down_proj (no `.weight` suffix on either)."""
+    prefix, which = FUSED_EXPERTS.match(name).groups()
+    E, rows, cols = shape
+    half, parts = rows // 2, {}
+    for e in range(E):
+        if which == "down_proj":
+            parts[f"{prefix}.{e}.down_proj.weight"] = ((rows, cols), (e, slice(None)))
+        else:
+            parts[f"{prefix}.{e}.gate_proj.weight"] = ((half, cols), (e, slice(0, half)))
+            parts[f"{prefix}.{e}.up_proj.weight"] = ((half, cols), (e, slice(half, rows)))
+    return parts
+
+
+def unfuse_experts(
+    stored: dict[str, tuple[Path, torch.dtype, tuple[int, ...]]],
+    want: dict[str, tuple[int, ...]],
+    config_file: Path,
+) -> tuple[dict, dict[str, tuple[str, Index]]]:
+    """`stored` with every fused experts tensor the model wants one by one replaced by its
+    per-expert entries, and {per-expert name: (fused name, index)} to read them with. A fused
+    tensor whose shape is not [E, 2I, H] / [E, H, I] of the config is refused here, by name."""
+    stored, views = dict(stored), {}
+    for name in [n for n in stored if FUSED_EXPERTS.match(n) and n not in want]:
+        path, dtype, shape = stored[name]
+        prefix = FUSED_EXPERTS.match(name).group(1)
+        first = want.get(f"{prefix}.0.gate_proj.weight"), want.get(f"{prefix}.0.down_proj.weight")
+        if first == (None, None):
+            continue  # experts the model does not have: validate names the tensor
+        E = sum(1 for n in want if n.startswith(f"{prefix}.") and n.endswith(".down_proj.weight"))
+        (I, H), fused = first[0], name.endswith("gate_up_proj")
+        expected = (E, 2 * I, H) if fused else (E, H, I)
+        if tuple(shape) != expected:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {list(shape)}, but {config_file} implies "
+                f"{list(expected)} ({'[E, 2I, H]' if fused else '[E, H, I]'} with E = "
+                f"num_experts, I = moe_intermediate_size, H = hidden_size). config.json and "
+                f"the weights disagree: use the config.json that came with these weights."
+            )
+        del stored[name]
+        for part, (part_shape, index) in per_expert_parts(name, shape).items():
+            stored[part] = (path, dtype, part_shape)
+            views[part] = (name, index)
+    return stored, views
+
+
 def load_dtype(stored: dict, names, where: Path) -> torch.dtype | None:
     """The dtype the weights `names` must be cast to as they load (None: keep them as stored).
 
@@ -590,6 +647,7 @@ def load_checkpoint(
     where, stored = _stored_tensors(folder, cfg)
     check_size(cfg, stored, where, config_file, dtype)
     model = meta_model(cfg, arch)  # built once: what to expect, then what to fill
+    stored, views = unfuse_experts(stored, expected_shapes(cfg, model), config_file)
     found = {name: shape for name, (_, _, shape) in stored.items()}
     validate(cfg, found, str(where), str(config_file), model)
     if cfg.tie_word_embeddings and "lm_head.weight" in stored and _head_differs(model, stored):
@@ -603,12 +661,15 @@ def load_checkpoint(
         model = meta_model(cfg, arch)
     keep = expected_shapes(cfg, model)
     dtype = dtype or load_dtype(stored, weights_of(model, keep, stored, where), where)
+    fused = {source for source, _ in views.values()}
     tensors = {}
     for path in sorted({path for path, _, _ in stored.values()}):
         with safe_open(str(path), framework="pt") as f:  # memory-mapped: nothing is read yet
             for name in f.keys():
-                if name in keep and stored[name][0] == path:
+                if name in fused or (name in keep and stored[name][0] == path):
                     tensors[name] = f.get_tensor(name)
+    for part, (source, index) in views.items():
+        tensors[part] = tensors[source][index]  # a view of the mapped tensor: no copy
     model = build_model(cfg, tensors, dtype, model, device)
     check_stored_values(model, where)
     model.generation_config = generation_config

@@ -66,11 +66,16 @@ class Config:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     attention_bias: bool = False  # config.json's switch for q/k/v/o biases (Qwen3 and later)
+    qkv_bias: bool = True  # the q/k/v bias of rows with Qwen2 attention (qwen2_moe's switch)
     dtype: str = "float32"  # how the checkpoint stores its weights
     eos_token_ids: tuple[int, ...] = ()
     # the mixer of each layer: "full_attention" (softmax attention with a KV cache) or
-    # "linear_attention" (Gated DeltaNet, with a fixed-size state); () means all full
+    # "linear_attention" (Gated DeltaNet, with a fixed-size state); () means the pattern of
+    # full_attention_interval
     layer_types: tuple[str, ...] = ()
+    # with no layer_types: every n-th layer full attention, the others linear (the hybrids'
+    # default, 4); 0 means all full
+    full_attention_interval: int = 0
     partial_rotary_factor: float = 1.0  # RoPE turns only this fraction of each head (Qwen3.5)
     rope_scaling: RopeScaling | None = None  # None: plain RoPE
     attn_output_gate: bool = False  # sigmoid gate on the attention output (Qwen3.5)
@@ -115,7 +120,7 @@ class Config:
         """The derived fields, in this one place: the layer types and head_dim left at their
         defaults, and lists given as tuples (a frozen config holds nothing that can change)."""
         derived = {
-            "layer_types": tuple(self.layer_types) or ("full_attention",) * self.num_hidden_layers,
+            "layer_types": tuple(self.layer_types) or self._interval_layer_types(),
             "head_dim": self.head_dim or self.hidden_size // max(self.num_attention_heads, 1),
             "eos_token_ids": tuple(self.eos_token_ids),
             "mlp_only_layers": tuple(self.mlp_only_layers),
@@ -124,6 +129,15 @@ class Config:
         }
         for name, value in derived.items():
             object.__setattr__(self, name, value)  # the one write a frozen dataclass allows
+
+    def _interval_layer_types(self) -> tuple[str, ...]:
+        """The layer types config.json leaves out, as transformers derives them: layer i is full
+        attention when (i + 1) is a multiple of full_attention_interval, else linear."""
+        n = self.full_attention_interval
+        return tuple(
+            "full_attention" if not n or (i + 1) % n == 0 else "linear_attention"
+            for i in range(self.num_hidden_layers)
+        )
 
     @property
     def rotary_dim(self) -> int:
@@ -149,7 +163,7 @@ class Config:
         # a multimodal checkpoint (Qwen3.5) keeps the text model's fields under text_config
         t = {**d, **d["text_config"]} if isinstance(d.get("text_config"), dict) else d
         try:
-            return cls._read(d, t, {**cls.defaults(), **(defaults or {})})
+            return cls._read(d, t, {**cls.defaults(), **(defaults or {})}, set(defaults or ()))
         except KeyError as e:
             raise ValueError(f"{source}: required field {e.args[0]!r} is missing.") from None
         except RopeScalingError as e:
@@ -160,8 +174,11 @@ class Config:
         return {f.name: f.default for f in fields(cls)}
 
     @classmethod
-    def _read(cls, d: dict, t: dict, default: dict) -> Config:
-        """The fields of `t` (the text model's part of config.json `d`), with their defaults."""
+    def _read(cls, d: dict, t: dict, default: dict, optional: set) -> Config:
+        """The fields of `t` (the text model's part of config.json `d`), with their defaults;
+        `optional`: the fields the row gives a default for, which the file may then leave out
+        even where they are otherwise required (intermediate_size of a model with no dense
+        layer)."""
         heads = t["num_attention_heads"]
         hidden = t["hidden_size"]
         # transformers 5 writes rope_parameters; the released configs have rope_theta
@@ -175,23 +192,29 @@ class Config:
                     return t[key]
             return default[name]
 
+        # a model with no dense layer (Qwen3.5-MoE) has no intermediate_size
+        dense = (
+            get("intermediate_size") if "intermediate_size" in optional else t["intermediate_size"]
+        )
         return cls(
             model_type=d.get("model_type", default["model_type"]),
             vocab_size=t["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=get("intermediate_size"),  # none in an all-MoE model
+            intermediate_size=dense,
             num_hidden_layers=t["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=t.get("num_key_value_heads", heads),
-            head_dim=t.get("head_dim") or default["head_dim"] or hidden // heads,
+            head_dim=get("head_dim") or hidden // heads,
             max_position_embeddings=t["max_position_embeddings"],
             rope_theta=float(theta),
             rms_norm_eps=t.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=d.get("tie_word_embeddings", t.get("tie_word_embeddings", False)),
             attention_bias=get("attention_bias"),
+            qkv_bias=get("qkv_bias"),
             dtype=t.get("dtype") or t.get("torch_dtype") or d.get("torch_dtype") or "float32",
             eos_token_ids=() if eos is None else (eos,) if isinstance(eos, int) else tuple(eos),
             layer_types=tuple(t.get("layer_types") or ()),
+            full_attention_interval=get("full_attention_interval"),
             partial_rotary_factor=rope.get("partial_rotary_factor", get("partial_rotary_factor")),
             rope_scaling=_rope_scaling(t),
             attn_output_gate=get("attn_output_gate"),

@@ -202,11 +202,11 @@ def streams_problems(t: dict) -> list[str]:
 
     problems = []
     layers, layer_types = t["num_hidden_layers"], t.get("layer_types")
-    if layer_types is None:
-        problems.append(
-            "layer_types is missing: qwen_mini needs the mixer of each layer listed (the "
-            "released config.json lists them)"
-        )
+    if layer_types is None:  # derived as the config derives it
+        n = t.get("full_attention_interval", 4)
+        layer_types = [
+            "linear_attention" if (i + 1) % n else "full_attention" for i in range(layers)
+        ]
     sizes = {"hc_count": 2, "hc_lowrank": 1, "num_experts": 1, "num_experts_per_tok": 1}
     sizes |= {"moe_intermediate_size": 1, "shared_expert_intermediate_size": 1}
     for name, smallest in sizes.items():

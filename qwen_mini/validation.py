@@ -18,7 +18,8 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 # what transformers calls "default" RoPE: plain rotations, no scaling of the frequencies
 PLAIN_ROPE = (None, "default")
 SCALED_ROPE = ("linear", "yarn")  # what qwen_mini.rope_scaling implements
-# sizes: whole numbers >= 1 (num_hidden_layers >= 0); the first six have no default
+# sizes: whole numbers >= 1 (num_hidden_layers >= 0); the first six have no default (unless the
+# model type gives one: intermediate_size of a model with no dense layer)
 REQUIRED_SIZES = (
     "vocab_size",
     "hidden_size",
@@ -27,7 +28,7 @@ REQUIRED_SIZES = (
     "num_attention_heads",
     "max_position_embeddings",
 )
-OPTIONAL_SIZES = ("num_key_value_heads", "decoder_sparse_step")
+OPTIONAL_SIZES = ("num_key_value_heads", "decoder_sparse_step", "full_attention_interval")
 # counts and widths where 0 means "none" (no experts, no linear-attention layers)
 COUNTS = (
     "num_experts",
@@ -44,7 +45,7 @@ COUNTS = (
 )
 NULLABLE_SIZES = ("head_dim", "sliding_window")  # null: worked out from other fields / no window
 FLAGS = ("tie_word_embeddings", "attention_bias", "attn_output_gate", "norm_topk_prob")
-FLAGS += ("use_sliding_window",)
+FLAGS += ("use_sliding_window", "qkv_bias")
 LARGEST = 2**31 - 1  # no tensor dimension of a real model comes near it
 MAX_DEPTH = 64  # a config.json nests 3 levels deep; a file nested thousands deep is not one
 
@@ -155,8 +156,8 @@ def check_config_json(d: object, source: str = "config.json") -> None:
 
 
 def _type_problems(d: dict, t: dict, arch) -> list[str]:
-    """Each field on its own: present if required (unless the row `arch` gives it a default),
-    of the right JSON type, in range."""
+    """Each field on its own: present if required (by the model type of row `arch`), of the
+    right JSON type, in range."""
     problems = []
     if "text_config" in d and not isinstance(d["text_config"], (dict, type(None))):
         problems.append(f"text_config must be an object, got a JSON {json_type(d['text_config'])}")
@@ -166,7 +167,8 @@ def _type_problems(d: dict, t: dict, arch) -> list[str]:
     # a model of no layers (the embedding, then the head) is a model too: the course builds one
     checks = [(n, 0 if n == "num_hidden_layers" else 1) for n in REQUIRED_SIZES + OPTIONAL_SIZES]
     checks += [(n, 0) for n in COUNTS]
-    checks += [(n, 1) for n in NULLABLE_SIZES if t.get(n) is not None]
+    # sliding_window 0: no window (what transformers writes for qwen2_moe without one)
+    checks += [(n, int(n != "sliding_window")) for n in NULLABLE_SIZES if t.get(n) is not None]
     for name, smallest in checks:
         if name in t and (why := _size_problem(t[name], smallest)):
             problems.append(f"{name} {why}")
@@ -296,6 +298,7 @@ def _relation_problems(t: dict, arch) -> list[str]:
             f"dimensions of each head, which must be an even number >= 2 (pairs are rotated)"
         )
     problems += _moe_problems(t)
+    problems += _fixed_field_problems(t, arch)
     if "linear_attention" in arch.mixers:
         problems += _linear_attention_problems(t)
     problems += _sliding_window_problems(t, arch)
@@ -328,6 +331,21 @@ def _moe_problems(t: dict) -> list[str]:
     return problems
 
 
+def _fixed_field_problems(t: dict, arch) -> list[str]:
+    """Fields a model type does not read (`arch.fixed_fields`: Qwen3.5-MoE always renormalises
+    its router and has experts in every layer): another value in the file is refused, since
+    transformers ignores it and the model would not be the one the file describes."""
+    problems = []
+    for name, value in arch.fixed_fields.items():
+        if name in t and t[name] is not None and t[name] != value:
+            problems.append(
+                f"{name} is {_show(t[name])}, but this model type always has {_show(value)} "
+                f"(transformers ignores the field); remove it, or use the model_type the "
+                f"checkpoint was trained as"
+            )
+    return problems
+
+
 def _linear_attention_problems(t: dict) -> list[str]:
     if "linear_attention" not in (t.get("layer_types") or []):
         return []
@@ -345,24 +363,35 @@ def _linear_attention_problems(t: dict) -> list[str]:
 def _sliding_window_problems(t: dict, arch) -> list[str]:
     """Which layers transformers windows, by the row's `sliding_window_layers`: with
     use_sliding_window true and a window (4096 when the field is absent), "all" layers
-    (Qwen3-MoE), or those from max_window_layers on (28 when absent; Qwen2, Qwen3) unless
+    (Qwen3-MoE), those from max_window_layers on (28 when absent; Qwen2, Qwen3),
+    "alternate_below_max_window_layers" (Qwen2-MoE: layers 0, 2, 4, ... below it), unless
     layer_types lists the layers itself (a "sliding_attention" there is refused as an unknown
-    layer type), or "none" (the type ignores the field). A window as long as the context changes
-    nothing."""
+    layer type), or "none" (the type ignores the field). A window as long as the context
+    changes nothing."""
     window = t.get("sliding_window", 4096)
-    if not t.get("use_sliding_window") or window is None or arch.sliding_window_layers == "none":
+    mode = arch.sliding_window_layers
+    if not t.get("use_sliding_window") or not window or mode == "none":
         return []
     if window >= t["max_position_embeddings"]:
         return []
-    every = arch.sliding_window_layers == "all"
-    if not every and t.get("layer_types") is not None:  # the list decides; checked elsewhere
+    if mode != "all" and t.get("layer_types") is not None:  # the list decides; checked elsewhere
         return []
-    first = 0 if every else t.get("max_window_layers", 28)
-    if first >= t["num_hidden_layers"]:
+    n, limit = t["num_hidden_layers"], t.get("max_window_layers", 28)
+    windowed = {
+        "all": range(n),
+        "from_max_window_layers": range(limit, n),
+        "alternate_below_max_window_layers": range(0, min(limit, n), 2),
+    }[mode]
+    if not windowed:
         return []
+    which = (
+        f"layers {windowed[0]} and later"
+        if mode != "alternate_below_max_window_layers"
+        else (f"layers {', '.join(map(str, windowed[:4]))}{', ...' if len(windowed) > 4 else ''}")
+    )
     return [
-        f"use_sliding_window is true with sliding_window = {window}, so layers {first} and "
-        f"later attend only to the last {window} tokens (max_window_layers, layer_types); "
-        f"qwen_mini does not implement sliding-window attention. Set use_sliding_window to "
-        f"false only if the checkpoint was trained without it"
+        f"use_sliding_window is true with sliding_window = {window}, so {which} attend only "
+        f"to the last {window} tokens (max_window_layers, layer_types); qwen_mini does not "
+        f"implement sliding-window attention. Set use_sliding_window to false only if the "
+        f"checkpoint was trained without it"
     ]

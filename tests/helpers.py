@@ -21,14 +21,22 @@ import torch
 from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3_5Config,
     Qwen3_5ForCausalLM,
     Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 # model_type -> (transformers config class, model class): a new architecture adds its pair here
@@ -38,7 +46,13 @@ HF_CLASSES = {
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "qwen3_5": (Qwen3_5Config, Qwen3_5ForConditionalGeneration),  # text + vision checkpoint
     "qwen3_5_text": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+    "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
+    "qwen3_5_moe": (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration),  # text + vision
+    "qwen3_5_moe_text": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM),
 }
+# the multimodal model types, and the model_type of their text_config
+MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 # The one tiny config: small enough to write in milliseconds; grouped KV heads (4 query heads
 # share 2 KV heads); Qwen3 gets head_dim 16 != hidden / heads, as the real one has 128 != 64.
@@ -73,6 +87,11 @@ QWEN3_5 = dict(
         "mrope_interleaved": True,
     },
 )
+# Qwen3-Next: the same hybrid, with plain 1-D partial RoPE (no M-RoPE sections)
+QWEN3_NEXT = dict(
+    QWEN3_5,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+)
 # the smallest vision tower transformers builds, for the multimodal qwen3_5 checkpoint (ignored)
 TINY_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, patch_size=4)
 
@@ -82,21 +101,28 @@ def tiny_config(model_type: str = "qwen3", **overrides) -> dict:
     moe = dict(
         moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2
     )  # 2 of 4, every layer
+    shared = dict(moe, shared_expert_intermediate_size=24)  # and a shared expert of its own width
     extra = {
         "qwen3": {"head_dim": 16},
         "qwen3_moe": {"head_dim": 16, **moe},
         "qwen3_5": QWEN3_5,
         "qwen3_5_text": QWEN3_5,
+        "qwen2_moe": shared,
+        "qwen3_next": {**QWEN3_NEXT, **shared},
+        "qwen3_5_moe": {**QWEN3_5, **shared},
+        "qwen3_5_moe_text": {**QWEN3_5, **shared},
     }
     fields = {"model_type": model_type, **TINY, **extra.get(model_type, {}), **overrides}
-    if model_type != "qwen3_5":
+    if model_type.startswith("qwen3_5_moe") and "intermediate_size" not in overrides:
+        del fields["intermediate_size"]  # every layer has experts: the type has no such field
+    if model_type not in MULTIMODAL:
         return fields
     # multimodal: the text model's fields under text_config, next to a vision tower's
     tied = fields.pop("tie_word_embeddings", False)
-    text = {**fields, "model_type": "qwen3_5_text"}
+    text = {**fields, "model_type": MULTIMODAL[model_type]}
     vision = {**TINY_VISION, "out_hidden_size": text["hidden_size"]}
     return dict(
-        model_type="qwen3_5", tie_word_embeddings=tied, text_config=text, vision_config=vision
+        model_type=model_type, tie_word_embeddings=tied, text_config=text, vision_config=vision
     )
 
 
@@ -108,7 +134,13 @@ def hf_config(model_type: str = "qwen3", **overrides):
     return config_cls(**fields)
 
 
-ZERO_CENTRED_NORMS = ("Qwen3_5RMSNorm", "ZeroCentredRMSNorm")  # transformers', qwen_mini's
+# transformers', qwen_mini's
+ZERO_CENTRED_NORMS = (
+    "Qwen3_5RMSNorm",
+    "Qwen3_5MoeRMSNorm",
+    "Qwen3NextRMSNorm",
+    "ZeroCentredRMSNorm",
+)
 
 
 def randomize(model: torch.nn.Module, seed: int = 0, std: float = 0.2) -> torch.nn.Module:
