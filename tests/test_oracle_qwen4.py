@@ -21,11 +21,14 @@ tests assert that the budget really drops blocks (`assert_budget_selects`).
 from __future__ import annotations
 
 import gc
+import itertools
 import json
+import re
 
 import pytest
 import torch
-from helpers import HF_CLASSES, write_checkpoint
+from helpers import HF_CLASSES, hf_config, tiny_config, write_checkpoint
+from huggingface_hub.errors import StrictDataclassClassValidationError
 from safetensors.torch import load_file, save_file
 
 import qwen_mini
@@ -194,7 +197,7 @@ def test_cached_decode_and_pieces_match_full_forward(pair):
     expected = ref(ids).logits
     cache = ours.new_cache(batch_size=2)
     cuts = [0, 1, 3, 8, 9, 10, 11, 12, 24]
-    got = torch.cat([ours(ids[:, a:b], cache=cache) for a, b in zip(cuts, cuts[1:])], dim=1)
+    got = torch.cat([ours(ids[:, a:b], cache=cache) for a, b in itertools.pairwise(cuts)], dim=1)
     assert cache.length == 24
     assert max_diff(got, expected) <= TOL
 
@@ -254,3 +257,83 @@ def test_greedy_generation_is_token_identical(pair):
         generate_tokens(ours, ids[0].tolist(), max_new_tokens=24, temperature=0, eos_token_ids=[])
     )
     assert got == expected
+
+
+# --- the integer buffers of the n-gram embedding -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen4_buffers")
+    write_checkpoint(folder, "qwen4_exp_text", tied=False, **SIZE)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda t: t + torch.tensor([2, 0, 0]), "layer_multipliers holds"),  # another hash
+        (lambda t: t.float(), "must be torch.int64"),  # stored as a float tensor
+    ],
+    ids=["other-multipliers", "float-buffer"],
+)
+def test_wrong_hash_buffers_are_refused(small_checkpoint, tmp_path, change, message):
+    """The checkpoint's hash buffers are loaded and checked against the config (seed, primes):
+    a changed one is refused, naming the tensor, never used for a silently different model."""
+    name = "model.layers.0.ple.ple_embedding.layer_multipliers"
+    for f in small_checkpoint.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert tensors[name].dtype == torch.int64  # transformers stores them as int64
+    tensors[name] = change(tensors[name])
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=message) as err:
+        qwen_mini.load_model(tmp_path)
+    assert "layer_multipliers" in str(err.value)
+
+
+def test_hash_buffers_equal_transformers(small_checkpoint):
+    """The multipliers, primes and offsets qwen_mini derives from the config are the ones
+    transformers wrote (load_model refuses others; here the numbers themselves)."""
+    ours = qwen_mini.load_model(small_checkpoint)
+    stored = load_file(small_checkpoint / "model.safetensors")
+    embedding = ours.model.layers[0].ple.ple_embedding
+    for name, values in embedding.implied_buffers().items():
+        assert stored[f"model.layers.0.ple.ple_embedding.{name}"].tolist() == values
+    assert embedding.sizes == [53, 59, 61, 67]  # the first four primes from 50, written out
+
+
+# --- config.json fields: implemented or refused, naming the field --------------------------------
+
+BAD_FIELDS = [
+    (dict(indexer_kv_heads=2), "indexer_kv_heads"),
+    (dict(indexer_budget=5), "indexer_budget = 5 must be a multiple"),
+    (dict(indexer_head_dim=2), "indexer_head_dim = 2"),  # RoPE turns 4 dims of each head
+    (dict(ple_layer_ids=[4]), "ple_layer_ids [4] are not linear_attention layers"),
+    (dict(ple_layer_ids=[9]), "ple_layer_ids [9] are not layers 1 to 4"),
+    (dict(output_gate_type="gelu"), "output_gate_type"),
+    (dict(hc_count=1), "hc_count"),
+    (dict(ple_embed_dim=10), "ple_embed_dim = 10 must be a multiple"),
+    (dict(eos_token_id=None), "eos_token_id must be set"),
+]
+
+
+BAD_IDS = ["-".join(map(str, *f.items())) for f, _ in BAD_FIELDS]  # field-value
+
+
+@pytest.mark.parametrize("fields, message", BAD_FIELDS, ids=BAD_IDS)
+def test_bad_fields_are_refused_as_transformers_refuses_them(fields, message):
+    from qwen_mini.architectures import config_from_dict
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        config_from_dict(tiny_config("qwen4_exp_text", **fields))
+    with pytest.raises((ValueError, StrictDataclassClassValidationError)):  # so does transformers
+        hf_config("qwen4_exp_text", **fields)
+
+
+def test_fields_transformers_ignores_are_refused_when_they_would_differ():
+    """mamba_ssm_dtype other than float32: qwen_mini keeps the DeltaNet state in float32 only."""
+    from qwen_mini.architectures import config_from_dict
+
+    with pytest.raises(ValueError, match="mamba_ssm_dtype"):
+        config_from_dict(tiny_config("qwen4_exp_text", mamba_ssm_dtype="bfloat16"))
