@@ -24,6 +24,7 @@ import gc
 import itertools
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,7 +33,9 @@ from huggingface_hub.errors import StrictDataclassClassValidationError
 from safetensors.torch import load_file, save_file
 
 import qwen_mini
-from qwen_mini.checkpoint import CheckpointError
+from qwen_mini.architectures import ARCHITECTURES, config_from_file
+from qwen_mini.checkpoint import CheckpointError, expected_shapes, meta_model
+from qwen_mini.moe import SharedExpertMoeBlock
 from qwen_mini.sparse_attention import QSAIndexer
 
 TOL = 1e-4  # max abs logit difference, float32 both sides (as test_oracle.py)
@@ -337,3 +340,89 @@ def test_fields_transformers_ignores_are_refused_when_they_would_differ():
 
     with pytest.raises(ValueError, match="mamba_ssm_dtype"):
         config_from_dict(tiny_config("qwen4_exp_text", mamba_ssm_dtype="bfloat16"))
+
+
+# --- the real Qwen3.8-Flash-Next, on the meta device ---------------------------------------------
+
+REAL = Path(__file__).parent / "data" / "qwen3.8-flash-next"  # reconstructed: see PROVENANCE.md
+
+
+def fused_moe(cfg, layer_idx, arch):
+    """The experts fused, as the released checkpoint stores them (and as transformers holds
+    them): one module per layer rather than 512, so the meta model builds in seconds."""
+    return SharedExpertMoeBlock(
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        cfg.num_experts,
+        cfg.num_experts_per_tok,
+        cfg.shared_expert_intermediate_size,
+        cfg.norm_topk_prob,
+        fused=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def real_model():
+    """(config, our meta model with fused experts, transformers' meta model) of the release."""
+    from transformers import AutoConfig
+
+    cfg = config_from_file(REAL / "config.json")
+    ours = meta_model(cfg, ARCHITECTURES["qwen4_exp"].with_blocks(mlp=fused_moe))
+    with torch.device("meta"):
+        theirs = HF_CLASSES["qwen4_exp"][1](AutoConfig.from_pretrained(REAL))
+    return cfg, ours, theirs
+
+
+def theirs_as_stored(theirs) -> dict[str, tuple[int, ...]]:
+    """transformers' text tensors under the names the checkpoint stores: its one n-gram table
+    cut into split_ngram_parts shards (its conversion mapping for qwen4_exp_text: Concatenate
+    on loading, Chunk on saving)."""
+    parts = theirs.config.text_config.split_ngram_parts
+    out = {}
+    for name, t in theirs.state_dict().items():
+        if name.startswith("model.visual."):
+            continue
+        if not name.endswith("ngram_embedding.weight"):
+            out[name] = tuple(t.shape)
+            continue
+        for i, shard in enumerate(torch.empty(t.shape, device="meta").chunk(parts)):
+            out[name.replace(".weight", f".shard_{i}.weight")] = tuple(shard.shape)
+    return out
+
+
+def test_real_names_and_shapes_equal_transformers(real_model):
+    cfg, ours, theirs = real_model
+    got = expected_shapes(cfg, ours)
+    assert got == theirs_as_stored(theirs)
+    assert sum(".ngram_embedding.shard_" in n for n in got) == 128  # split_ngram_parts
+    assert all(p.is_meta for p in ours.parameters())  # nothing was allocated
+
+
+def part_of(name: str) -> str:
+    if ".ngram_embedding." in name:
+        return "ngram"
+    if ".mlp.experts." in name:
+        return "experts"
+    return "embedding" if name in ("model.embed_tokens.weight", "lm_head.weight") else "rest"
+
+
+def test_real_parameter_counts_are_the_published_ones(real_model):
+    """Counted on our meta model, checked against transformers' and the model card: 125B
+    parameters besides a 51B n-gram embedding, 6B active per token."""
+    cfg, ours, theirs = real_model
+    count = {"ngram": 0, "experts": 0, "embedding": 0, "rest": 0}
+    for name, p in ours.named_parameters():
+        count[part_of(name)] += p.numel()
+    vision = sum(p.numel() for n, p in theirs.named_parameters() if n.startswith("model.visual."))
+    total = sum(count.values())
+    assert total + vision == sum(p.numel() for p in theirs.parameters()) == 177_392_830_576
+    assert count["ngram"] == 51_200_245_760  # 320,001,536 rows of 160
+    # a token reads its 16 n-gram rows (one per hash head, ple_embed_dim in all), k of E experts
+    active = count["rest"] + count["experts"] * cfg.num_experts_per_tok // cfg.num_experts
+    active += cfg.ple_embed_dim * len(cfg.ple_layer_ids)
+    # the model card: "125B + 51B n-gram embedding", "6B active" (neither counts the vision
+    # tower; "active" leaves out the embedding and the head, as the card says)
+    assert int((total - count["ngram"]) / 1e9) == 125
+    assert int(count["ngram"] / 1e9) == 51
+    assert int(active / 1e9) == 6
+    assert active + count["embedding"] == 7_306_997_120  # the same, the embedding and head in
