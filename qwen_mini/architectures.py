@@ -42,10 +42,14 @@ def dense_mlp(cfg: Config, layer_idx: int, arch: Architecture) -> nn.Module:
     return MLP(cfg.hidden_size, cfg.intermediate_size)
 
 
-def shared_expert_moe_mlp(cfg: Config, layer_idx: int, arch: Architecture) -> nn.Module:
+def shared_expert_moe_mlp(
+    cfg: Config, layer_idx: int, arch: Architecture, fused: bool = False
+) -> nn.Module:
     """Routed experts plus one gated shared expert (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE) in the
     sparse layers (num_experts, decoder_sparse_step, mlp_only_layers), the dense SwiGLU in the
-    others. The experts are stored one by one; the loader also reads the fused layout."""
+    others. The experts are stored one by one (the loader also reads the fused layout into
+    them); `fused` holds them as the fused tensors instead (a block of its own, with
+    functools.partial: one module per layer, where 512 experts take a minute to build)."""
     if not cfg.is_sparse_layer(layer_idx):
         return dense_mlp(cfg, layer_idx, arch)
     return SharedExpertMoeBlock(
@@ -55,6 +59,7 @@ def shared_expert_moe_mlp(cfg: Config, layer_idx: int, arch: Architecture) -> nn
         cfg.num_experts_per_tok,
         cfg.shared_expert_intermediate_size,
         cfg.norm_topk_prob,
+        fused,
     )
 
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import Config
+from .deltanet import DeltaNetState
 from .streams import StreamNorm
 
 MASK64 = (1 << 64) - 1
@@ -192,38 +193,21 @@ def dilated_causal_conv(
     return y, full[:, :, full.shape[-1] - state.shape[-1] :]
 
 
-class PLEState:
-    """The n-gram embedding's memory: the last N-1 token ids [B, N-1] (eos before the first) and
-    the convolution's last inputs [B, C, (K-1) N]. Staged by `update`, kept on `commit`."""
-
-    can_rewind = False  # only the last few tokens are kept: no going back to an earlier prefix
+class PLEState(DeltaNetState):
+    """The n-gram embedding's memory: the convolution's last inputs `conv` [B, C, (K-1) N] and
+    the last N-1 token ids `history` [B, N-1] (eos before the first), kept where a DeltaNet state
+    keeps its recurrent matrix: staged by `update`, made current by `commit` (DeltaNetState)."""
 
     def __init__(self, history: torch.Tensor, conv: torch.Tensor):
-        self.history, self.conv = history, conv
-        self.length = 0
-        self._staged = None
+        self.conv, self.recurrent = conv, history
+        self.length, self._staged = 0, None
+
+    @property
+    def history(self) -> torch.Tensor:
+        return self.recurrent
 
     def update(self, history: torch.Tensor, conv: torch.Tensor) -> None:
-        self._staged = (history, conv)
-
-    def commit(self, n_tokens: int) -> None:
-        if self._staged is not None:
-            self.history, self.conv = self._staged
-            self._staged = None
-        self.length += n_tokens
-
-    def discard(self) -> None:
-        self._staged = None
-
-    def truncate(self, n: int) -> None:
-        if n != self.length:
-            raise ValueError(
-                f"an n-gram embedding's state keeps only the last tokens of {self.length}: it "
-                f"cannot go back to {n}. Start a new cache and feed the first {n} tokens again."
-            )
-
-    def nbytes(self) -> int:
-        return self.history.nbytes + self.conv.nbytes
+        self._staged = (conv, history)  # as they are: ids stay integers
 
 
 def signed_sqrt(x: torch.Tensor) -> torch.Tensor:

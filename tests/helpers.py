@@ -234,6 +234,30 @@ def write_checkpoint(
     return model
 
 
+def greedy_reference(model, input_ids: torch.Tensor, n_new: int, tol: float, **generate_args):
+    """transformers' greedy continuation of input_ids [1, T] by n_new tokens: the sequences
+    [1, T + n_new]. Checked to be worth comparing to: the best token leads the runner-up by
+    over 10 * tol at every step (logits that agree to tol cannot flip it) and the output is not
+    a loop of a few tokens. generate_args: how to stop (min_new_tokens, eos_token_id)."""
+    # an explicit mask: without one, generate() masks every prompt token equal to pad_token_id
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        do_sample=False,
+        max_new_tokens=n_new,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **generate_args,
+    )
+    top2 = torch.stack(out.scores)[:, 0].topk(2, dim=-1).values
+    margin = (top2[:, 0] - top2[:, 1]).min().item()
+    assert margin > 10 * tol, f"argmax nearly tied (margin {margin:.2e}): the test is fragile"
+    new = out.sequences[0, input_ids.shape[1] :].tolist()
+    assert len(new) == n_new and len(set(new)) >= 4, "a loop or too short: the test shows little"
+    return out.sequences
+
+
 def hf_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     """The reference logits [B, T, vocab] of a transformers model."""
     with torch.no_grad():
