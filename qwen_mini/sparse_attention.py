@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import GatedAttention, KVCache, repeat_kv
+from .attention import GatedAttention, KVCache
 from .config import Config
 from .rope import apply_partial_rope
 from .rope_scaling import rotary_cos_sin
@@ -148,18 +148,19 @@ class IndexedAttention(GatedAttention):
         """q [B, H, T, D], k, v [B, H_kv, T, D] -> [B, H, T, D], each query over its kept keys."""
         if cache is not None:
             k, v = cache.update(k, v)  # [B, H_kv, T_all, D]
-        n_rep = self.n_heads // self.n_kv_heads
+        # enable_gqa: query head h reads KV head h // (H / H_kv), as repeat_kv lays them out,
+        # without copying each KV head H / H_kv times
         if q.shape[2] == 1:  # decoding: read only the kept keys, not the whole context
             # every row of the batch is at the same position, so keeps as many (the budget's
             # blocks and the tail): one index per row
-            idx = self.keep[:, 0].nonzero()[:, 1].view(q.shape[0], 1, -1, 1)  # [B, 1, n, 1]
-            k = k.gather(2, idx.expand(-1, k.shape[1], -1, k.shape[3]))
-            v = v.gather(2, idx.expand(-1, v.shape[1], -1, v.shape[3]))
-            return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep))
+            idx = self.keep[:, 0].nonzero()[:, 1].view(q.shape[0], -1)  # [B, n] kept positions
+            k, v = (  # [B, H_kv, n, D]; index_select copies rows fast, gather does not
+                torch.stack([row.index_select(1, i) for row, i in zip(t, idx, strict=True)])
+                for t in (k, v)
+            )
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         mask = self.keep[:, None]  # [B, 1, T, T_all], causal already
-        return F.scaled_dot_product_attention(
-            q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=mask
-        )
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
     def new_state(self, batch_size: int, dtype: torch.dtype, device=None) -> IndexedKVCache:
         dims = (self.n_kv_heads, self.head_dim, self.indexer.head_dim)
