@@ -40,19 +40,36 @@ from .rope_scaling import rotary_cos_sin
 
 class IndexedKVCache(KVCache):
     """An attention layer's keys and values, and the indexer's raw key of every position
-    (`index_keys` [B, 1, T, d]); both advance on `commit` (see KVCache)."""
+    (`index_keys` [B, 1, T, d]); both advance on `commit` (see KVCache). It also keeps the key of
+    each complete block once computed (`blocks`), so a decoding step pools only a new block: a
+    block's key counts only while all its tokens are committed, so a failed pass or a truncation
+    never leaves a stale one in use."""
 
     def __init__(self, batch_size, num_kv_heads, head_dim, index_dim, dtype, device="cpu"):
         super().__init__(batch_size, num_kv_heads, head_dim, dtype, device)
         self.index_keys = torch.empty(batch_size, 1, 0, index_dim, dtype=dtype, device=device)
+        self.blocks = torch.empty_like(self.index_keys)  # as many slots (blocks <= tokens)
+        self.n_blocks = 0  # block keys written
 
     def update_index(self, raw: torch.Tensor) -> torch.Tensor:
         """Store the raw index keys [B, T, d] of the new tokens; return all so far [B, T_all, d]."""
         start, end = self.length, self.length + raw.shape[1]
         if end > self.index_keys.shape[2]:
             self.index_keys = self._grow(self.index_keys, end)
+            self.blocks = self._grow(self.blocks, end)
         self.index_keys[:, 0, start:end] = raw
         return self.index_keys[:, 0, :end]
+
+    def known_blocks(self, ratio: int) -> int:
+        """How many leading block keys are stored and still describe committed tokens."""
+        return min(self.n_blocks, self.length // ratio)
+
+    def update_blocks(self, start: int, keys: torch.Tensor) -> torch.Tensor:
+        """Store block keys [B, n, d] from block `start` on; return all so far [B, start + n, d]."""
+        end = start + keys.shape[1]
+        self.blocks[:, 0, start:end] = keys
+        self.n_blocks = end
+        return self.blocks[:, 0, :end]
 
     def nbytes(self) -> int:
         b, _, _, d = self.index_keys.shape
@@ -73,13 +90,15 @@ class QSAIndexer(nn.Module):
         self.q_layernorm = arch.norm(d, cfg.rms_norm_eps)
         self.k_layernorm = arch.norm(d, cfg.rms_norm_eps)
 
-    def block_keys(self, raw: torch.Tensor) -> torch.Tensor:
-        """raw keys [B, T_all, d] -> one key per complete block [B, n_blocks, d]."""
+    def block_keys(self, raw: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """raw keys [B, T_all, d] -> the key of each complete block from block `first` on
+        [B, n_blocks - first, d]."""
         B, T_all, d = raw.shape
         n, r = T_all // self.ratio, self.ratio
-        pooled = raw[:, : n * r].reshape(B, n, r, d).float().mean(dim=2).to(raw.dtype)
-        starts = torch.arange(n, device=raw.device) * r  # each block at its first position
-        cos, sin = rotary_cos_sin(self.cfg, starts, raw.dtype)  # [n, rotary_dim]
+        blocks = raw[:, first * r : n * r].reshape(B, n - first, r, d)
+        pooled = blocks.float().mean(dim=2).to(raw.dtype)
+        starts = torch.arange(first, n, device=raw.device) * r  # each at its first position
+        cos, sin = rotary_cos_sin(self.cfg, starts, raw.dtype)  # [n - first, rotary_dim]
         return apply_partial_rope(self.k_layernorm(pooled), cos, sin)
 
     def block_scores(self, x, cos, sin, cache: IndexedKVCache | None = None) -> torch.Tensor:
@@ -91,7 +110,11 @@ class QSAIndexer(nn.Module):
         q = apply_partial_rope(q, cos, sin)  # [B, h, T, d], at the queries' positions
         if cache is not None:
             raw = cache.update_index(raw)  # [B, T_all, d]
-        keys = self.block_keys(raw)  # [B, n_blocks, d]
+        if cache is not None:  # only the blocks not pooled before
+            known = cache.known_blocks(self.ratio)
+            keys = cache.update_blocks(known, self.block_keys(raw, known))  # [B, n_blocks, d]
+        else:
+            keys = self.block_keys(raw)
         dots = q.float() @ keys.float()[:, None].transpose(-1, -2)  # [B, h, T, n_blocks]
         return dots.relu().sum(dim=1) / math.sqrt(self.head_dim)
 
