@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 from torch import nn
@@ -27,6 +28,7 @@ from .decoder import DecoderLayer, model_forward
 from .deltanet import GatedDeltaNet
 from .deltanet_gate import output_gated_deltanet
 from .families import QWEN3, QWEN3_5, Family
+from .fused_deltanet import FusedGatedDeltaNet
 from .mlp import MLP
 from .moe import SharedExpertMoeBlock, qwen3_moe_mlp
 from .norms import RMSNorm, ZeroCentredRMSNorm
@@ -47,9 +49,8 @@ def shared_expert_moe_mlp(
 ) -> nn.Module:
     """Routed experts plus one gated shared expert (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE) in the
     sparse layers (num_experts, decoder_sparse_step, mlp_only_layers), the dense SwiGLU in the
-    others. The experts are stored one by one (the loader also reads the fused layout into
-    them); `fused` holds them as the fused tensors instead (a block of its own, with
-    functools.partial: one module per layer, where 512 experts take a minute to build)."""
+    others. The experts are held one by one, or `fused` in two 3-D tensors; the loader reads
+    either layout into either."""
     if not cfg.is_sparse_layer(layer_idx):
         return dense_mlp(cfg, layer_idx, arch)
     return SharedExpertMoeBlock(
@@ -61,6 +62,13 @@ def shared_expert_moe_mlp(
         cfg.norm_topk_prob,
         fused,
     )
+
+
+# 512 experts in each of 48 to 60 layers: held fused, two parameters a layer rather than 1,536
+# modules, a meta model of a real config builds in a second rather than minutes. A checkpoint
+# that stores them one by one (the Qwen3-Next release, what transformers writes) is stacked into
+# them as it loads: a copy, where the fused Qwen3.5-MoE files are memory-mapped as they are
+fused_shared_expert_moe_mlp = partial(shared_expert_moe_mlp, fused=True)
 
 
 def token_embedding(cfg: Config, arch: Architecture) -> nn.Module:
@@ -101,7 +109,9 @@ class Architecture:
     embedding: Callable[[Config, Architecture], nn.Module] = token_embedding  # (cfg, arch)
     forward: Callable = model_forward  # the pass: embedding -> layers -> final norm -> head
     family: Family = QWEN3  # tokenizer, chat template and sampling presets
-    qkv_bias: bool = False  # a bias on q/k/v always, none on o_proj (Qwen2); else attention_bias
+    # True: a bias on q/k/v always, none on o_proj (Qwen2); "qkv_bias": the same, switched by
+    # config.json's qkv_bias (Qwen2-MoE); False: attention_bias decides
+    qkv_bias: bool | str = False
     qk_norm: bool = False  # a norm on each query and key head before RoPE
     checkpoint_prefix: str = "model."  # where the text model's tensors sit in the checkpoint
     ignored_prefixes: tuple[str, ...] = ()  # tensors a text model does not load (vision, ...)
@@ -123,8 +133,10 @@ class Architecture:
 
     def attention_biases(self, cfg: Config) -> tuple[bool, bool]:
         """(bias on q/k/v, bias on o_proj) of the attention layers."""
-        if self.qkv_bias:  # Qwen2's, whatever attention_bias says; qwen2_moe's qkv_bias field
-            return cfg.qkv_bias, False  # can turn it off (default on)
+        if self.qkv_bias == "qkv_bias":
+            return cfg.qkv_bias, False
+        if self.qkv_bias:
+            return True, False  # Qwen2's, whatever attention_bias says
         return cfg.attention_bias, cfg.attention_bias
 
     def with_blocks(self, **blocks) -> Architecture:
@@ -154,11 +166,13 @@ QWEN3_5_ROW = dict(
 # its router always renormalised; the sizes transformers' Qwen3_5MoeTextConfig defaults to
 QWEN3_5_MOE_ROW = dict(
     QWEN3_5_ROW,
-    mlp=shared_expert_moe_mlp,
+    mlp=fused_shared_expert_moe_mlp,
     config_defaults={
         **QWEN3_5_ROW["config_defaults"],
         "intermediate_size": 0,
-        **dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512),
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
         "shared_expert_intermediate_size": 512,
     },
     fixed_fields={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
@@ -180,7 +194,7 @@ QWEN4_EXP_ROW = dict(
         "indexed_attention": "self_attn",
         "linear_attention": "linear_attn",
     },
-    mlp=shared_expert_moe_mlp,  # in every layer (decoder_sparse_step 1, no dense layers)
+    mlp=fused_shared_expert_moe_mlp,  # every layer; held fused, as the release stores them
     norm=ZeroCentredRMSNorm,
     decoder_layer=hyper_connected_layer,
     final=StreamReader,  # the read gate alone: the streams mixed into the head's input
@@ -243,7 +257,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen2_moe": Architecture(
         mixers={"full_attention": Attention},
         mlp=shared_expert_moe_mlp,
-        qkv_bias=True,
+        qkv_bias="qkv_bias",
         sliding_window_layers="alternate_below_max_window_layers",
         # transformers' Qwen2MoeConfig defaults (Qwen1.5-MoE-A2.7B's sizes)
         config_defaults=dict(
@@ -261,6 +275,32 @@ ARCHITECTURES: dict[str, Architecture] = {
         ignored_prefixes=("model.visual.", "mtp."),
     ),
     "qwen3_5_moe_text": Architecture(**QWEN3_5_MOE_ROW, ignored_prefixes=("mtp.",)),
+    # Qwen3-Next: the Qwen3.5 hybrid (gated attention, zero-centred norms, plain 1-D partial
+    # RoPE) before Qwen3.5: Gated DeltaNet with fused input projections, the shared-expert MoE
+    # in the sparse layers, Qwen3's tokenizer
+    "qwen3_next": Architecture(
+        **dict(
+            QWEN3_5_ROW,
+            mixers={"full_attention": GatedAttention, "linear_attention": FusedGatedDeltaNet},
+            mlp=fused_shared_expert_moe_mlp,
+            family=QWEN3,
+            # transformers' Qwen3NextConfig defaults (Qwen3-Next-80B-A3B's sizes)
+            config_defaults={
+                **QWEN3_5_ROW["config_defaults"],
+                "norm_topk_prob": True,
+                "num_experts": 512,
+                "num_experts_per_tok": 10,
+                "moe_intermediate_size": 512,
+                "shared_expert_intermediate_size": 512,
+                "linear_num_key_heads": 16,
+                "linear_num_value_heads": 32,
+                "linear_key_head_dim": 128,
+                "linear_value_head_dim": 128,
+                "linear_conv_kernel_dim": 4,
+            },
+        ),
+        ignored_prefixes=("mtp.",),
+    ),
     "qwen4_exp": Architecture(
         **QWEN4_EXP_ROW,
         checkpoint_prefix="model.language_model.",

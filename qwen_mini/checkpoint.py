@@ -16,8 +16,10 @@ import os
 import re
 import struct
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -124,6 +126,12 @@ def _dim_fields(cfg: Config) -> dict[int, list[str]]:
             2 * c.linear_num_key_heads * c.linear_key_head_dim
             + c.linear_num_value_heads * c.linear_value_head_dim
         ),
+        "2 * linear_num_key_heads * linear_key_head_dim + 2 * linear_num_value_heads * "
+        "linear_value_head_dim (q, k, v, z fused)": (
+            2 * c.linear_num_key_heads * c.linear_key_head_dim
+            + 2 * c.linear_num_value_heads * c.linear_value_head_dim
+        ),
+        "2 * linear_num_value_heads (b, a fused)": 2 * c.linear_num_value_heads,
     }
     fields: dict[int, list[str]] = {}
     for name, size in sizes.items():
@@ -412,60 +420,77 @@ def _read_index(index: Path) -> dict[str, tuple[Path, torch.dtype, tuple[int, ..
 
 
 # ---------------------------------------------------------------------------------------------
-# Routed experts stored fused (the released Qwen3.5-MoE files) for a model that holds them one
-# by one (what transformers writes): each expert's matrices are views of the fused tensors
+# The two layouts of routed experts: one by one (`experts.{e}.gate_proj.weight`, what transformers
+# writes, and the Qwen3-MoE and Qwen3-Next releases) or fused (`experts.gate_up_proj` [E, 2I, H]
+# and `experts.down_proj` [E, H, I], no `.weight`: the Qwen3.5-MoE releases). A model holds one;
+# a checkpoint in the other is read through a conversion: a fused tensor is cut into views of
+# itself (no copy); tensors stored one by one are stacked (a copy, made once as they load).
 
 FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
-Index = tuple[int, slice]  # where one expert's matrix sits in a fused tensor: fused[index]
+# a tensor the model needs, made from stored ones: (their names, the function of them)
+Derived = tuple[list[str], Callable[[list[torch.Tensor]], torch.Tensor]]
 
 
-def per_expert_parts(name: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], Index]]:
-    """The per-expert tensors one fused experts tensor holds: {name: (shape, index)}.
-
-    `X.experts.gate_up_proj` [E, 2I, H] holds expert e's gate_proj rows, then its up_proj rows;
-    `X.experts.down_proj` [E, H, I] its down_proj (no `.weight` suffix on either)."""
-    prefix, which = FUSED_EXPERTS.match(name).groups()
-    E, rows, cols = shape
-    half, parts = rows // 2, {}
-    for e in range(E):
-        if which == "down_proj":
-            parts[f"{prefix}.{e}.down_proj.weight"] = ((rows, cols), (e, slice(None)))
-        else:
-            parts[f"{prefix}.{e}.gate_proj.weight"] = ((half, cols), (e, slice(0, half)))
-            parts[f"{prefix}.{e}.up_proj.weight"] = ((half, cols), (e, slice(half, rows)))
-    return parts
+def per_expert_names(fused_name: str, E: int) -> list[str]:
+    """The tensors, one by one, that a fused experts tensor holds for E experts, in its order:
+    expert e's gate_proj rows then its up_proj rows (gate_up_proj), or its down_proj."""
+    prefix, which = FUSED_EXPERTS.match(fused_name).groups()
+    parts = ("gate_proj", "up_proj") if which == "gate_up_proj" else ("down_proj",)
+    return [f"{prefix}.{e}.{part}.weight" for e in range(E) for part in parts]
 
 
-def unfuse_experts(
+def _stack(per_expert: int, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """[E * per_expert] matrices -> [E, rows, cols]: each expert's parts one above the other."""
+    groups = [tensors[i : i + per_expert] for i in range(0, len(tensors), per_expert)]
+    return torch.stack([torch.cat(group) for group in groups])
+
+
+def _cut(index: tuple[int, slice], tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0][index]  # a view of the fused tensor
+
+
+def convert_expert_layout(
     stored: dict[str, tuple[Path, torch.dtype, tuple[int, ...]]],
     want: dict[str, tuple[int, ...]],
     config_file: Path,
-) -> tuple[dict, dict[str, tuple[str, Index]]]:
-    """`stored` with every fused experts tensor the model wants one by one replaced by its
-    per-expert entries, and {per-expert name: (fused name, index)} to read them with. A fused
-    tensor whose shape is not [E, 2I, H] / [E, H, I] of the config is refused here, by name."""
-    stored, views = dict(stored), {}
+) -> tuple[dict, dict[str, Derived]]:
+    """`stored` as the model `want`s its experts, and how to make each converted tensor. A fused
+    tensor of the wrong shape for the config is refused here, by name."""
+    stored, derived = dict(stored), {}
+    for name in [n for n in want if FUSED_EXPERTS.match(n) and n not in stored]:
+        parts = per_expert_names(name, want[name][0])
+        shapes = {stored[p][2] for p in parts if p in stored}
+        if len(shapes) != 1 or not all(p in stored for p in parts):
+            continue  # not there one by one either: validate names what is missing
+        path, dtype, (rows, cols) = stored[parts[0]][0], stored[parts[0]][1], shapes.pop()
+        k = len(parts) // want[name][0]  # matrices per expert
+        stored[name] = (path, dtype, (want[name][0], k * rows, cols))
+        derived[name] = (parts, partial(_stack, k))
+        for p in parts:
+            del stored[p]
     for name in [n for n in stored if FUSED_EXPERTS.match(n) and n not in want]:
         path, dtype, shape = stored[name]
-        prefix = FUSED_EXPERTS.match(name).group(1)
-        first = want.get(f"{prefix}.0.gate_proj.weight"), want.get(f"{prefix}.0.down_proj.weight")
-        if first == (None, None):
+        if len(shape) != 3 or not shape[0]:
+            continue  # no [E, rows, cols] tensor: validate names it
+        parts = per_expert_names(name, shape[0])
+        if parts[0] not in want:
             continue  # experts the model does not have: validate names the tensor
+        k, (rows, cols) = len(parts) // shape[0], want[parts[0]]
+        prefix = FUSED_EXPERTS.match(name).group(1)
         E = sum(1 for n in want if n.startswith(f"{prefix}.") and n.endswith(".down_proj.weight"))
-        (I, H), fused = first[0], name.endswith("gate_up_proj")
-        expected = (E, 2 * I, H) if fused else (E, H, I)
-        if tuple(shape) != expected:
+        if tuple(shape) != (E, k * rows, cols):
             raise CheckpointError(
                 f"{path}: tensor {name!r} has shape {list(shape)}, but {config_file} implies "
-                f"{list(expected)} ({'[E, 2I, H]' if fused else '[E, H, I]'} with E = "
-                f"num_experts, I = moe_intermediate_size, H = hidden_size). config.json and "
-                f"the weights disagree: use the config.json that came with these weights."
+                f"{[E, k * rows, cols]} ({'[E, 2I, H]' if k == 2 else '[E, H, I]'} with E = "
+                f"num_experts, I = moe_intermediate_size, H = hidden_size). config.json and the "
+                f"weights disagree: use the config.json that came with these weights."
             )
         del stored[name]
-        for part, (part_shape, index) in per_expert_parts(name, shape).items():
-            stored[part] = (path, dtype, part_shape)
-            views[part] = (name, index)
-    return stored, views
+        for i, p in enumerate(parts):
+            e, j = divmod(i, k)
+            stored[p] = (path, dtype, (rows, cols))
+            derived[p] = ([name], partial(_cut, (e, slice(j * rows, (j + 1) * rows))))
+    return stored, derived
 
 
 def load_dtype(stored: dict, names, where: Path) -> torch.dtype | None:
@@ -647,7 +672,8 @@ def load_checkpoint(
     where, stored = _stored_tensors(folder, cfg)
     check_size(cfg, stored, where, config_file, dtype)
     model = meta_model(cfg, arch)  # built once: what to expect, then what to fill
-    stored, views = unfuse_experts(stored, expected_shapes(cfg, model), config_file)
+    files = sorted({path for path, _, _ in stored.values()})
+    stored, derived = convert_expert_layout(stored, expected_shapes(cfg, model), config_file)
     found = {name: shape for name, (_, _, shape) in stored.items()}
     validate(cfg, found, str(where), str(config_file), model)
     if cfg.tie_word_embeddings and "lm_head.weight" in stored and _head_differs(model, stored):
@@ -661,15 +687,15 @@ def load_checkpoint(
         model = meta_model(cfg, arch)
     keep = expected_shapes(cfg, model)
     dtype = dtype or load_dtype(stored, weights_of(model, keep, stored, where), where)
-    fused = {source for source, _ in views.values()}
+    sources = {source for names, _ in derived.values() for source in names}
     tensors = {}
-    for path in sorted({path for path, _, _ in stored.values()}):
+    for path in files:
         with safe_open(str(path), framework="pt") as f:  # memory-mapped: nothing is read yet
             for name in f.keys():
-                if name in fused or (name in keep and stored[name][0] == path):
+                if name in sources or (name in keep and stored[name][0] == path):
                     tensors[name] = f.get_tensor(name)
-    for part, (source, index) in views.items():
-        tensors[part] = tensors[source][index]  # a view of the mapped tensor: no copy
+    for name, (names, make) in derived.items():  # experts in the other layout
+        tensors[name] = make([tensors[source] for source in names])
     model = build_model(cfg, tensors, dtype, model, device)
     check_stored_values(model, where)
     model.generation_config = generation_config

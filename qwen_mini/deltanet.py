@@ -343,17 +343,28 @@ class GatedDeltaNet(nn.Module):
             device,
         )
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B, T, hidden] -> the four input projections: qkv [B, T, conv_dim] (all q, all k,
+        all v), z [B, T, H_v * d_v], b and a [B, T, H_v]. A layer that stores them another way
+        (Qwen3-Next: fused, grouped per key head) overrides only this."""
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+
+    def decay(self, a: torch.Tensor) -> torch.Tensor:
+        """a [B, T, H_v] (the decay input) -> g [B, T, H_v], <= 0: exp(g) is the fraction of the
+        state each token keeps. In float32, so that exp(A_log) cannot overflow."""
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, hidden] -> g [B, T, H_v], <= 0: exp(g) is the fraction of the state each token
-        keeps. In float32, so that exp(A_log) cannot overflow."""
-        return -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        """[B, T, hidden] -> g [B, T, H_v]: the decay of each token, from the layer's input."""
+        return self.decay(self.project(x)[3])
 
     def forward(self, x, cos=None, sin=None, cache: DeltaNetState | None = None):
         """x [B, T, hidden] -> [B, T, hidden]. cos, sin are unused (no positions: order comes
         from the recurrence and the convolution). With a cache, continue from its states and
         stage the new ones."""
         B, T, _ = x.shape
-        qkv = self.in_proj_qkv(x).transpose(1, 2)  # [B, conv_dim, T]: channels first for conv
+        qkv, z, b, a = self.project(x)
+        qkv = qkv.transpose(1, 2)  # [B, conv_dim, T]: channels first for conv
         if cache is not None:
             conv_state = cache.conv  # [B, conv_dim, K-1]: the inputs of the last K-1 tokens
         else:  # no history: the K-1 inputs before token 0 are zeros
@@ -365,8 +376,8 @@ class GatedDeltaNet(nn.Module):
         q = l2norm(q.reshape(B, T, self.n_k, self.d_k).float())  # [B, T, H_k, d_k]
         k = l2norm(k.reshape(B, T, self.n_k, self.d_k).float())
         v = v.reshape(B, T, self.n_v, self.d_v)  # [B, T, H_v, d_v]
-        beta = self.in_proj_b(x).sigmoid()  # [B, T, H_v]: how much of the error to write
-        g = self.log_decay(x)  # [B, T, H_v]
+        beta = b.sigmoid()  # [B, T, H_v]: how much of the error to write
+        g = self.decay(a)  # [B, T, H_v]
 
         state = cache.recurrent if cache is not None else None
         if cache is not None and T == 1:  # decoding: one step of the recurrence
@@ -376,6 +387,6 @@ class GatedDeltaNet(nn.Module):
         if cache is not None:
             cache.update(new_conv, new_state)
 
-        z = self.in_proj_z(x).reshape(B, T, self.n_v, self.d_v)
+        z = z.reshape(B, T, self.n_v, self.d_v)
         out = self.norm(out.to(x.dtype), z)  # [B, T, H_v, d_v]
         return self.out_proj(out.reshape(B, T, -1))

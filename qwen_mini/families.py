@@ -40,7 +40,7 @@ def _matches(pattern: str, repo: str) -> bool:
 QWEN3 = Family(
     "qwen3",
     "Qwen3",
-    repos=r"Qwen2|Qwen2\.5|Qwen3",  # one BPE and the same ids since Qwen2
+    repos=r"Qwen1\.5|Qwen2|Qwen2\.5|Qwen3",  # one BPE and the same ids since Qwen1.5
     template_repos=r"Qwen3",  # Qwen2.5's own template differs (a default system prompt)
     special_ids={"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645},
     sampling={

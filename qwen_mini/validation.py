@@ -143,9 +143,11 @@ def check_config_json(d: object, source: str = "config.json") -> None:
 
     if d.get("model_type") not in ARCHITECTURES:
         return  # Config.from_dict names the model type first: its fields may mean other things
-    problems = _type_problems(d, text_fields(d), ARCHITECTURES[d["model_type"]])
+    arch = ARCHITECTURES[d["model_type"]]
+    problems = _type_problems(d, text_fields(d), arch)
     if not problems:  # the relations between fields can only be read off well-typed fields
-        problems = _relation_problems(text_fields(d), ARCHITECTURES[d["model_type"]])
+        # with the model type's defaults for the fields the file leaves out
+        problems = _relation_problems({**arch.config_defaults, **text_fields(d)}, arch)
     if problems:
         lines = "".join(f"\n  - {p}" for p in problems)
         raise ConfigError(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import re
 import unicodedata
 from importlib import resources
 from pathlib import Path
@@ -256,6 +257,34 @@ def greedy_reference(model, input_ids: torch.Tensor, n_new: int, tol: float, **g
     new = out.sequences[0, input_ids.shape[1] :].tolist()
     assert len(new) == n_new and len(set(new)) >= 4, "a loop or too short: the test shows little"
     return out.sequences
+
+
+FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def stored_layout(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """transformers 5 holds a MoE layer's experts fused (gate_up_proj [E, 2I, H], down_proj
+    [E, H, I]) and writes them one by one (its conversion mapping for qwen2_moe, which qwen3_moe,
+    qwen3_next and qwen3_5_moe share: MergeModulelist(dim=0) then Concatenate(dim=1) on loading,
+    reversed on saving). This is that reversal applied to shapes (state-dict names -> the names
+    and shapes save_pretrained writes); test_moe_model and test_moe_family check it against
+    files transformers wrote."""
+    out = {}
+    for name, shape in shapes.items():
+        m = FUSED.match(name)
+        if not m:
+            out[name] = tuple(shape)
+            continue
+        prefix, which = m.groups()
+        E = shape[0]
+        for e in range(E):
+            if which == "gate_up_proj":
+                half = (shape[1] // 2, shape[2])
+                out[f"{prefix}.{e}.gate_proj.weight"] = half
+                out[f"{prefix}.{e}.up_proj.weight"] = half
+            else:
+                out[f"{prefix}.{e}.down_proj.weight"] = (shape[1], shape[2])
+    return out
 
 
 def hf_logits(model, input_ids: torch.Tensor) -> torch.Tensor:

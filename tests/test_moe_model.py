@@ -8,12 +8,11 @@ and off; with cached decode and a prompt fed in pieces)."""
 from __future__ import annotations
 
 import json
-import re
 import shutil
 
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import stored_layout, tiny_config
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import (
@@ -28,32 +27,6 @@ from qwen_mini.checkpoint import CheckpointError, expected_shapes, meta_model
 from qwen_mini.config import ASSETS
 
 CONFIG_30B = ASSETS / "configs" / "qwen3-30b-a3b"
-FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-
-
-def stored_layout(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """transformers 5 holds a qwen3_moe layer's experts fused (gate_up_proj [E, 2I, H],
-    down_proj [E, H, I]) and writes them one by one (its conversion mapping for qwen3_moe:
-    MergeModulelist(dim=0) then Concatenate(dim=1) on loading, reversed on saving). This is that
-    reversal applied to shapes; test_stored_layout_is_what_transformers_writes checks it."""
-    out = {}
-    for name, shape in shapes.items():
-        m = FUSED.match(name)
-        if not m:
-            out[name] = tuple(shape)
-            continue
-        prefix, which = m.groups()
-        E = shape[0]
-        for e in range(E):
-            if which == "gate_up_proj":
-                half = (shape[1] // 2, shape[2])
-                out[f"{prefix}.{e}.gate_proj.weight"] = half
-                out[f"{prefix}.{e}.up_proj.weight"] = half
-            else:
-                out[f"{prefix}.{e}.down_proj.weight"] = (shape[1], shape[2])
-    return out
-
-
 # the tiny Qwen3-MoE of tests/helpers.py with a dense layer among the sparse ones: every second
 # layer sparse, the last one dense by mlp_only_layers, six experts
 TINY_MOE = tiny_config(

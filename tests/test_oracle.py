@@ -79,6 +79,61 @@ CASES = [
     pytest.param(dict(model_type="qwen3_5_text", tied=True, linear_num_value_heads=2),
                  id="qwen3_5_text-hv1-tied"),
     pytest.param(dict(model_type="qwen3_5_text", tied=False), id="qwen3_5_text-untied"),
+    # Qwen2-MoE: Qwen2 attention with q/k/v bias, 8 experts top-2 not renormalised (the type's
+    # default) plus a shared expert of its own width, in every layer
+    pytest.param(dict(model_type="qwen2_moe", num_attention_heads=4, num_key_value_heads=2,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, tied=False),
+                 id="qwen2_moe-e8k2-shared48-untied"),
+    # top-1 of 4, renormalised (weight 1), MQA, no q/k/v bias, sharded
+    pytest.param(dict(model_type="qwen2_moe", num_attention_heads=4, num_key_value_heads=1,
+                      num_experts=4, num_experts_per_tok=1, moe_intermediate_size=24,
+                      shared_expert_intermediate_size=16, norm_topk_prob=True, qkv_bias=False,
+                      tied=True, shard="40KB"), id="qwen2_moe-e4k1-norm-nobias-tied-sharded"),
+    # 4 layers, every 2nd sparse, layer 3 dense by mlp_only_layers; MHA; k = 3 of 6
+    pytest.param(dict(model_type="qwen2_moe", num_attention_heads=4, num_key_value_heads=4,
+                      num_hidden_layers=4, num_experts=6, num_experts_per_tok=3,
+                      moe_intermediate_size=16, shared_expert_intermediate_size=64,
+                      decoder_sparse_step=2, mlp_only_layers=[3], tied=False),
+                 id="qwen2_moe-e6k3-step2-mlponly-mha"),
+    # Qwen3-Next: 3 fused Gated DeltaNet : 1 gated attention, two value heads per key head,
+    # 8 experts top-2 renormalised, shared expert; sharded
+    pytest.param(dict(model_type="qwen3_next", num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=32, tied=False,
+                      shard="40KB"), id="qwen3_next-e8k2-hv2-untied-sharded"),
+    # another layer pattern (full first and last), one value head per key head, RoPE on half
+    # of each head, layer 0 dense, not renormalised, one KV head
+    pytest.param(dict(model_type="qwen3_next", num_key_value_heads=1,
+                      layer_types=["full_attention", "linear_attention", "linear_attention",
+                                   "full_attention"],
+                      linear_num_value_heads=2, mlp_only_layers=[0], norm_topk_prob=False,
+                      num_experts=5, num_experts_per_tok=3, moe_intermediate_size=16,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                       "partial_rotary_factor": 0.5}, tied=True),
+                 id="qwen3_next-pattern-hv1-rope0.5-layer0dense-tied"),
+    # four value heads per key head (one key head), every 2nd layer sparse
+    pytest.param(dict(model_type="qwen3_next", linear_num_key_heads=1, linear_num_value_heads=4,
+                      decoder_sparse_step=2, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=16, shared_expert_intermediate_size=8, tied=False),
+                 id="qwen3_next-hv4-step2-untied"),
+    # Qwen3.5-MoE, multimodal checkpoint (text under model.language_model., a vision tower)
+    pytest.param(dict(model_type="qwen3_5_moe", num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=48, tied=True),
+                 id="qwen3_5_moe-e8k2-tied-single"),
+    pytest.param(dict(model_type="qwen3_5_moe", num_experts=4, num_experts_per_tok=1,
+                      moe_intermediate_size=16, tied=False, shard="40KB"),
+                 id="qwen3_5_moe-e4k1-untied-sharded"),
+    # text-only; one value head per key head, 3 of 6 experts, RoPE on half of each head
+    # (M-RoPE sections of the 4 rotary frequencies), one KV head
+    pytest.param(dict(model_type="qwen3_5_moe_text", linear_num_value_heads=2,
+                      num_key_value_heads=1, num_experts=6, num_experts_per_tok=3,
+                      moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                       "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+                                       "mrope_interleaved": True}, tied=True),
+                 id="qwen3_5_moe_text-hv1-e6k3-rope0.5-tied"),
+    pytest.param(dict(model_type="qwen3_5_moe_text", tied=False, shard="40KB"),
+                 id="qwen3_5_moe_text-untied-sharded"),
 ]  # fmt: skip
 
 

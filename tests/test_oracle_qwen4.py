@@ -20,7 +20,6 @@ tests assert that the budget really drops blocks (`assert_budget_selects`).
 
 from __future__ import annotations
 
-import functools
 import gc
 import itertools
 import json
@@ -34,7 +33,7 @@ from huggingface_hub.errors import StrictDataclassClassValidationError
 from safetensors.torch import load_file, save_file
 
 import qwen_mini
-from qwen_mini.architectures import ARCHITECTURES, config_from_file, shared_expert_moe_mlp
+from qwen_mini.architectures import config_from_file
 from qwen_mini.checkpoint import CheckpointError, expected_shapes, meta_model
 from qwen_mini.sparse_attention import QSAIndexer
 
@@ -333,18 +332,13 @@ def test_fields_transformers_ignores_are_refused_when_they_would_differ():
 REAL = Path(__file__).parent / "data" / "qwen3.8-flash-next"  # reconstructed: see PROVENANCE.md
 
 
-# the experts fused, as the released checkpoint stores them (and transformers holds them): one
-# module per layer rather than 512, so the meta model builds in seconds
-fused_moe = functools.partial(shared_expert_moe_mlp, fused=True)
-
-
 @pytest.fixture(scope="module")
 def real_model():
     """(config, our meta model with fused experts, transformers' meta model) of the release."""
     from transformers import AutoConfig
 
     cfg = config_from_file(REAL / "config.json")
-    ours = meta_model(cfg, ARCHITECTURES["qwen4_exp"].with_blocks(mlp=fused_moe))
+    ours = meta_model(cfg)  # the experts held fused, one module per layer: built in seconds
     with torch.device("meta"):
         theirs = HF_CLASSES["qwen4_exp"][1](AutoConfig.from_pretrained(REAL))
     return cfg, ours, theirs
