@@ -26,11 +26,14 @@ from .attention import Attention, GatedAttention
 from .config import Config
 from .decoder import DecoderLayer, model_forward
 from .deltanet import GatedDeltaNet
+from .deltanet_gate import output_gated_deltanet
 from .families import QWEN3, QWEN3_5, Family
 from .fused_deltanet import FusedGatedDeltaNet
 from .mlp import MLP
 from .moe import SharedExpertMoeBlock, qwen3_moe_mlp
 from .norms import RMSNorm, ZeroCentredRMSNorm
+from .sparse_attention import IndexedAttention
+from .streams import StreamReader, hyper_connected_forward, hyper_connected_layer
 from .validation import check_config_json, read_json
 
 Block = Callable[[Config, int, "Architecture"], nn.Module]  # built as block(cfg, layer_idx, arch)
@@ -73,6 +76,24 @@ def token_embedding(cfg: Config, arch: Architecture) -> nn.Module:
     return nn.Embedding(cfg.vocab_size, cfg.hidden_size)
 
 
+def pre_norm_layer(cfg: Config, layer_idx: int, arch: Architecture) -> nn.Module:
+    """Layer `layer_idx` as `arch.layer` holds it: its mixer, feed-forward and two norms are the
+    row's blocks; the config's `layer_types` picks the mixer."""
+    layer_type = cfg.layer_types[layer_idx]
+    return arch.layer(
+        arch.mixer_names[layer_type],  # the checkpoint's name for it: self_attn, linear_attn
+        arch.mixers[layer_type](cfg, layer_idx, arch),
+        arch.mlp(cfg, layer_idx, arch),
+        arch.norm(cfg.hidden_size, cfg.rms_norm_eps),  # input_layernorm
+        arch.norm(cfg.hidden_size, cfg.rms_norm_eps),  # post_attention_layernorm
+    )
+
+
+def final_norm(cfg: Config, arch: Architecture) -> nn.Module:
+    """The norm between the last layer and the head (the checkpoint's model.norm)."""
+    return arch.norm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
 @dataclass(frozen=True)
 class Architecture:
     """One row: the blocks of a model type and every fact that differs between model types."""
@@ -81,6 +102,10 @@ class Architecture:
     mlp: Block  # the feed-forward of layer i
     norm: Callable[[int, float], nn.Module] = RMSNorm  # decoder norms and q/k norms: (dim, eps)
     layer: type[nn.Module] = DecoderLayer  # the residual block holding mixer, mlp and norms
+    decoder_layer: Block = pre_norm_layer  # builds layer i (by default an `arch.layer`)
+    # what the last layer's output passes through before the head, and its checkpoint name
+    final: Callable[[Config, Architecture], nn.Module] = final_norm
+    final_name: str = "norm"
     embedding: Callable[[Config, Architecture], nn.Module] = token_embedding  # (cfg, arch)
     forward: Callable = model_forward  # the pass: embedding -> layers -> final norm -> head
     family: Family = QWEN3  # tokenizer, chat template and sampling presets
@@ -119,7 +144,8 @@ class Architecture:
         `mlp=...`, `norm=...`; mixers not named keep the row's."""
         if "mixers" in blocks:
             blocks["mixers"] = {**self.mixers, **blocks["mixers"]}
-        unknown = sorted(set(blocks) - {"mixers", "mlp", "norm", "layer", "embedding", "forward"})
+        known = {"mixers", "mlp", "norm", "layer", "decoder_layer", "final", "embedding", "forward"}
+        unknown = sorted(set(blocks) - known)
         if unknown:
             raise TypeError(f"with_blocks: {unknown} are not blocks of an architecture row")
         return replace(self, **blocks)
@@ -150,6 +176,60 @@ QWEN3_5_MOE_ROW = dict(
         "shared_expert_intermediate_size": 512,
     },
     fixed_fields={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    required_fields=("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+)
+
+# Qwen3.8-Flash-Next: Qwen3.5-MoE with Qwen Sparse Attention in the attention layers (the release
+# writes them "full_attention", transformers "indexed_attention": both are read), a sigmoid
+# DeltaNet output gate, gated residual streams in place of the decoder norms and an n-gram
+# embedding on the layers ple_layer_ids lists (qwen_mini/streams.py, ngram_embedding.py).
+QWEN4_EXP_ROW = dict(
+    mixers={
+        "full_attention": IndexedAttention,
+        "indexed_attention": IndexedAttention,
+        "linear_attention": output_gated_deltanet,
+    },
+    mixer_names={
+        "full_attention": "self_attn",
+        "indexed_attention": "self_attn",
+        "linear_attention": "linear_attn",
+    },
+    mlp=fused_shared_expert_moe_mlp,  # every layer; held fused, as the release stores them
+    norm=ZeroCentredRMSNorm,
+    decoder_layer=hyper_connected_layer,
+    final=StreamReader,  # the read gate alone: the streams mixed into the head's input
+    final_name="hyper_connection_mixer",
+    forward=hyper_connected_forward,
+    family=QWEN3_5,
+    qk_norm=True,
+    sliding_window_layers="none",
+    config_defaults={  # as transformers' Qwen4ExpTextConfig
+        "intermediate_size": 0,  # no dense feed-forward anywhere
+        "full_attention_interval": 4,  # layer_types, when the file has none: 3 linear : 1
+        "head_dim": 256,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "norm_topk_prob": True,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "hc_count": 4,
+        "hc_lowrank": 320,
+        "ple_conv_kernel_size": 4,
+        "ngram_size": 3,
+        "heads_per_ngram": 8,
+        "ngram_vocab_size_base": 20_000_000,
+        "make_ngram_vocab_size_divisible_by": 128,
+        "seed": 1234,
+        "split_ngram_parts": 512,
+    },
+    # transformers' Qwen4-Exp reads neither (experts in every layer); its router reads
+    # norm_topk_prob, unlike Qwen3.5-MoE's
+    fixed_fields={"decoder_sparse_step": 1, "mlp_only_layers": []},
     required_fields=("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
 )
 
@@ -221,6 +301,12 @@ ARCHITECTURES: dict[str, Architecture] = {
         ),
         ignored_prefixes=("mtp.",),
     ),
+    "qwen4_exp": Architecture(
+        **QWEN4_EXP_ROW,
+        checkpoint_prefix="model.language_model.",
+        ignored_prefixes=("model.visual.", "mtp."),
+    ),
+    "qwen4_exp_text": Architecture(**QWEN4_EXP_ROW, ignored_prefixes=("mtp.",)),
 }
 
 

@@ -305,7 +305,7 @@ def parameters_at_least(cfg: Config) -> int:
     sparse = experts + 3 * H * c.shared_expert_intermediate_size
     total = c.vocab_size * H * (1 if c.tie_word_embeddings else 2)
     for i, kind in enumerate(c.layer_types):
-        total += attention if kind == "full_attention" else linear
+        total += linear if kind == "linear_attention" else attention
         total += sparse if c.is_sparse_layer(i) else 3 * H * c.intermediate_size
     return total
 
@@ -595,8 +595,9 @@ def build_model(
     model = model if model is not None else meta_model(cfg)
     prefix = model.arch.checkpoint_prefix
 
-    def get_tensor(key: str) -> torch.Tensor:
-        return tensors[key].to(device=device, dtype=dtype)  # the tensor itself if both match
+    def get_tensor(key: str) -> torch.Tensor:  # the tensor itself if device and dtype match
+        t = tensors[key]  # integer buffers (an n-gram hash's) keep their dtype
+        return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
 
     load_weights(model, tensors, get_tensor, prefix)
     return convert_for_runtime(model.eval())
@@ -685,7 +686,7 @@ def load_checkpoint(
         cfg = replace(cfg, tie_word_embeddings=False)
         model = meta_model(cfg, arch)
     keep = expected_shapes(cfg, model)
-    dtype = dtype or load_dtype(stored, keep, where)
+    dtype = dtype or load_dtype(stored, weights_of(model, keep, stored, where), where)
     sources = {source for names, _ in derived.values() for source in names}
     tensors = {}
     for path in files:
@@ -696,9 +697,37 @@ def load_checkpoint(
     for name, (names, make) in derived.items():  # experts in the other layout
         tensors[name] = make([tensors[source] for source in names])
     model = build_model(cfg, tensors, dtype, model, device)
+    check_stored_values(model, where)
     model.generation_config = generation_config
     model.source, model.is_standin = str(folder), False
     return model
+
+
+def weights_of(model: CausalLM, names, stored: dict, where: Path) -> list[str]:
+    """The checkpoint names among `names` that hold weights; the others are the model's integer
+    buffers (the hash tables of an n-gram embedding), which must be stored in their own dtype."""
+    integer = {
+        checkpoint_name(k, model.config, model.arch): v.dtype
+        for k, v in model.state_dict().items()
+        if not v.is_floating_point()
+    }
+    for name, dtype in integer.items():
+        if name in names and stored[name][1] != dtype:
+            raise CheckpointError(
+                f"{stored[name][0]}: tensor {name!r} is stored as {stored[name][1]}, but it "
+                f"holds the model's integers and must be {dtype}. {REDO}"
+            )
+    return [n for n in names if n not in integer]
+
+
+def check_stored_values(model: CausalLM, where: Path) -> None:
+    """Refuse stored values a module says are wrong (`stored_problem()`: the n-gram hash
+    buffers against config.json), naming the tensor."""
+    for name, module in model.named_modules():
+        problem = getattr(module, "stored_problem", None)
+        if problem is not None and (why := problem()):
+            key = checkpoint_name(f"{name}.", model.config, model.arch)
+            raise CheckpointError(f"{where}: the tensors under {key!r}: {why}.")
 
 
 def _head_differs(model: CausalLM, stored: dict, rows: int = 8) -> bool:

@@ -94,6 +94,27 @@ class Config:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    # Qwen3.8-Flash-Next (qwen4_exp): Qwen Sparse Attention's indexer (0: none) ...
+    indexer_n_heads: int = 0
+    indexer_kv_heads: int = 0
+    indexer_head_dim: int = 0
+    indexer_budget: int = 0  # tokens of complete blocks each query may keep
+    indexer_compress_ratio: int = 0  # tokens per block
+    # ... gated residual streams (hyper-connections) ...
+    hc_count: int = 0  # parallel residual streams
+    hc_lowrank: int = 0  # rank of the read gate
+    # ... the n-gram embedding (PLE) of the layers ple_layer_ids (1-indexed) ...
+    ple_layer_ids: tuple[int, ...] = ()
+    ple_embed_dim: int = 0  # 0: hidden_size
+    ple_conv_kernel_size: int = 4
+    ngram_size: int = 3  # the longest n-gram hashed (2..ngram_size)
+    heads_per_ngram: int = 8  # hash heads per n-gram order
+    ngram_vocab_size_base: int = 20_000_000  # the first head's table has the first prime >= it
+    make_ngram_vocab_size_divisible_by: int = 128
+    seed: int = 1234  # of the hash multipliers
+    split_ngram_parts: int = 512  # the table is stored in this many shards
+    # ... and the activation of the DeltaNet output gate ("": hidden_act, silu)
+    output_gate_type: str = ""
 
     def __post_init__(self):
         """The derived fields, in this one place: the layer types and head_dim left at their
@@ -103,6 +124,8 @@ class Config:
             "head_dim": self.head_dim or self.hidden_size // max(self.num_attention_heads, 1),
             "eos_token_ids": tuple(self.eos_token_ids),
             "mlp_only_layers": tuple(self.mlp_only_layers),
+            "ple_layer_ids": tuple(sorted(set(self.ple_layer_ids))),  # as transformers reads it
+            "ple_embed_dim": self.ple_embed_dim or self.hidden_size,
         }
         for name, value in derived.items():
             object.__setattr__(self, name, value)  # the one write a frozen dataclass allows
@@ -209,7 +232,30 @@ class Config:
             linear_key_head_dim=get("linear_key_head_dim"),
             linear_value_head_dim=get("linear_value_head_dim"),
             linear_conv_kernel_dim=get("linear_conv_kernel_dim"),
+            **{name: get(name) for name in QWEN4_FIELDS},
+            ple_layer_ids=tuple(t.get("ple_layer_ids") or ()),
+            output_gate_type=t.get("output_gate_type") or "",
         )
+
+
+# the fields of Qwen3.8-Flash-Next read as they are (checked in qwen_mini.validation)
+QWEN4_FIELDS = (
+    "indexer_n_heads",
+    "indexer_kv_heads",
+    "indexer_head_dim",
+    "indexer_budget",
+    "indexer_compress_ratio",
+    "hc_count",
+    "hc_lowrank",
+    "ple_embed_dim",
+    "ple_conv_kernel_size",
+    "ngram_size",
+    "heads_per_ngram",
+    "ngram_vocab_size_base",
+    "make_ngram_vocab_size_divisible_by",
+    "seed",
+    "split_ngram_parts",
+)
 
 
 class RopeScalingError(ValueError):

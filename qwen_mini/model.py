@@ -14,28 +14,17 @@ from .cache import Cache
 from .config import Config
 
 
-def build_layer(cfg: Config, layer_idx: int, arch: Architecture) -> nn.Module:
-    """Layer `layer_idx`: its mixer, feed-forward and norms are the row's blocks; the config's
-    `layer_types` picks the mixer."""
-    layer_type = cfg.layer_types[layer_idx]
-    return arch.layer(
-        arch.mixer_names[layer_type],  # the checkpoint's name for it: self_attn, linear_attn
-        arch.mixers[layer_type](cfg, layer_idx, arch),
-        arch.mlp(cfg, layer_idx, arch),
-        arch.norm(cfg.hidden_size, cfg.rms_norm_eps),  # input_layernorm
-        arch.norm(cfg.hidden_size, cfg.rms_norm_eps),  # post_attention_layernorm
-    )
-
-
 class Backbone(nn.Module):
-    """What the checkpoint calls `model.`: the embedding, the decoder layers, the final norm."""
+    """What the checkpoint calls `model.`: the embedding, the decoder layers, the final norm
+    (under the row's `final_name`: `norm`, or Qwen3.8's `hyper_connection_mixer`)."""
 
     def __init__(self, cfg: Config, arch: Architecture):
         super().__init__()
         self.config = cfg
         self.embed_tokens = arch.embedding(cfg, arch)
-        self.layers = nn.ModuleList(build_layer(cfg, i, arch) for i in range(cfg.num_hidden_layers))
-        self.norm = arch.norm(cfg.hidden_size, cfg.rms_norm_eps)
+        layers = (arch.decoder_layer(cfg, i, arch) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(layers)
+        self.add_module(arch.final_name, arch.final(cfg, arch))
 
 
 class CausalLM(nn.Module):
@@ -63,8 +52,10 @@ class CausalLM(nn.Module):
     def new_cache(self, batch_size: int = 1) -> Cache:
         """An empty cache: one state per layer, of the kind that layer's mixer keeps."""
         w = self.model.embed_tokens.weight
+        # a layer that keeps more than its mixer's state (an n-gram embedding's) makes its own
         states = [
-            layer.mixer.new_state(batch_size, w.dtype, w.device) for layer in self.model.layers
+            getattr(layer, "new_state", layer.mixer.new_state)(batch_size, w.dtype, w.device)
+            for layer in self.model.layers
         ]
         return Cache(states, batch_size)
 

@@ -301,12 +301,20 @@ def _relation_problems(t: dict, arch) -> list[str]:
         )
     problems += _moe_problems(t)
     problems += _fixed_field_problems(t, arch)
-    from .deltanet import GatedDeltaNet
-
-    if arch.mixers.get("linear_attention") is GatedDeltaNet:
+    if "linear_attention" in arch.mixers:
         problems += _linear_attention_problems(t)
     problems += _sliding_window_problems(t, arch)
-    return problems
+    return problems + _block_problems(t, arch)
+
+
+def _block_problems(t: dict, arch) -> list[str]:
+    """What the row's own blocks need of the config: each block with a `config_problems(t)`
+    (a function of the text model's fields, the row's defaults filled in, giving messages like
+    the ones here) is asked."""
+    blocks = [*arch.mixers.values(), arch.mlp, arch.decoder_layer, arch.forward]
+    checks = dict.fromkeys(getattr(b, "config_problems", None) for b in blocks)  # each once
+    fields = {**arch.config_defaults, **t}
+    return [p for check in checks if check is not None for p in check(fields)]
 
 
 def _moe_problems(t: dict) -> list[str]:

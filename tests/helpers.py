@@ -38,6 +38,10 @@ from transformers import (
     Qwen3MoeForCausalLM,
     Qwen3NextConfig,
     Qwen3NextForCausalLM,
+    Qwen4ExpConfig,
+    Qwen4ExpForCausalLM,
+    Qwen4ExpForConditionalGeneration,
+    Qwen4ExpTextConfig,
 )
 
 # model_type -> (transformers config class, model class): a new architecture adds its pair here
@@ -51,9 +55,12 @@ HF_CLASSES = {
     "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
     "qwen3_5_moe": (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration),  # text + vision
     "qwen3_5_moe_text": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM),
+    "qwen4_exp": (Qwen4ExpConfig, Qwen4ExpForConditionalGeneration),  # text + vision
+    "qwen4_exp_text": (Qwen4ExpTextConfig, Qwen4ExpForCausalLM),
 }
 # the multimodal model types, and the model_type of their text_config
 MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+MULTIMODAL["qwen4_exp"] = "qwen4_exp_text"
 
 # The one tiny config: small enough to write in milliseconds; grouped KV heads (4 query heads
 # share 2 KV heads); Qwen3 gets head_dim 16 != hidden / heads, as the real one has 128 != 64.
@@ -93,6 +100,29 @@ QWEN3_NEXT = dict(
     QWEN3_5,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
 )
+# Qwen3.8-Flash-Next on top of the Qwen3.5 hybrid: 2 residual streams; an indexer of 2 query heads
+# keeping the top 2 blocks of 2 tokens (so it selects from the 6th token on); the n-gram
+# embedding (bigrams and trigrams, 2 hash heads each, tables of primes from 50, in 3 shards) on
+# layer 1; the sigmoid DeltaNet output gate of the release
+QWEN4_EXP = dict(
+    QWEN3_5,
+    hc_count=2,
+    hc_lowrank=8,
+    indexer_n_heads=8,
+    indexer_kv_heads=1,
+    indexer_head_dim=8,
+    indexer_budget=4,
+    indexer_compress_ratio=2,
+    ple_layer_ids=[1],
+    ple_embed_dim=16,
+    ngram_size=3,
+    heads_per_ngram=2,
+    ngram_vocab_size_base=50,
+    make_ngram_vocab_size_divisible_by=8,
+    split_ngram_parts=3,
+    eos_token_id=3,
+    output_gate_type="sigmoid",
+)
 # the smallest vision tower transformers builds, for the multimodal qwen3_5 checkpoint (ignored)
 TINY_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, patch_size=4)
 
@@ -112,9 +142,12 @@ def tiny_config(model_type: str = "qwen3", **overrides) -> dict:
         "qwen3_next": {**QWEN3_NEXT, **shared},
         "qwen3_5_moe": {**QWEN3_5, **shared},
         "qwen3_5_moe_text": {**QWEN3_5, **shared},
+        "qwen4_exp": {**QWEN4_EXP, **shared},
+        "qwen4_exp_text": {**QWEN4_EXP, **shared},
     }
     fields = {"model_type": model_type, **TINY, **extra.get(model_type, {}), **overrides}
-    if model_type.startswith("qwen3_5_moe") and "intermediate_size" not in overrides:
+    all_moe = model_type.startswith(("qwen3_5_moe", "qwen4_exp"))
+    if all_moe and "intermediate_size" not in overrides:
         del fields["intermediate_size"]  # every layer has experts: the type has no such field
     if model_type not in MULTIMODAL:
         return fields
@@ -140,7 +173,9 @@ ZERO_CENTRED_NORMS = (
     "Qwen3_5RMSNorm",
     "Qwen3_5MoeRMSNorm",
     "Qwen3NextRMSNorm",
+    "Qwen4ExpTextRMSNorm",
     "ZeroCentredRMSNorm",
+    "StreamNorm",
 )
 
 
@@ -198,6 +233,30 @@ def write_checkpoint(
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(folder, **kwargs)
     return model
+
+
+def greedy_reference(model, input_ids: torch.Tensor, n_new: int, tol: float, **generate_args):
+    """transformers' greedy continuation of input_ids [1, T] by n_new tokens: the sequences
+    [1, T + n_new]. Checked to be worth comparing to: the best token leads the runner-up by
+    over 10 * tol at every step (logits that agree to tol cannot flip it) and the output is not
+    a loop of a few tokens. generate_args: how to stop (min_new_tokens, eos_token_id)."""
+    # an explicit mask: without one, generate() masks every prompt token equal to pad_token_id
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        do_sample=False,
+        max_new_tokens=n_new,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **generate_args,
+    )
+    top2 = torch.stack(out.scores)[:, 0].topk(2, dim=-1).values
+    margin = (top2[:, 0] - top2[:, 1]).min().item()
+    assert margin > 10 * tol, f"argmax nearly tied (margin {margin:.2e}): the test is fragile"
+    new = out.sequences[0, input_ids.shape[1] :].tolist()
+    assert len(new) == n_new and len(set(new)) >= 4, "a loop or too short: the test shows little"
+    return out.sequences
 
 
 FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
