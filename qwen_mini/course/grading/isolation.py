@@ -19,6 +19,7 @@ rather than grade with files the worker cannot read).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
@@ -32,6 +33,9 @@ SITE = ("site-packages", "dist-packages")  # folders of installed packages, not 
 DEVICES = ["null", "zero", "full", "random", "urandom"]
 PACKAGE = Path(__file__).resolve().parents[2]  # .../qwen_mini
 CHECKS_DIR = PACKAGE / "course" / "checks"
+
+
+GROUPS = "qwen-mini-grading"  # the memory cgroups of submissions
 
 
 class IsolationError(OSError):
@@ -63,9 +67,9 @@ def visible_paths(path: list[str] | None = None) -> list[str]:
         found.append(prefix)
     found.append(os.path.dirname(os.path.realpath(sys.executable)))
     for entry in path if path is not None else sys.path:
-        if not entry or not os.path.exists(entry):
+        real = os.path.realpath(entry) if entry else "/"
+        if real == "/" or not os.path.exists(real):  # never the whole machine
             continue
-        real = os.path.realpath(entry)
         if real == str(PACKAGE.parent) and Path(real).name not in SITE:
             found.append(str(PACKAGE))  # a source checkout: the package, not its siblings
         else:
@@ -150,6 +154,53 @@ def _limit_shared_memory(proc: Path, memory_mb: int) -> None:
     pages = memory_mb * 2**20 // os.sysconf("SC_PAGE_SIZE")
     for name, value in [("shmmax", memory_mb * 2**20), ("shmall", pages), ("shmmni", 64)]:
         (proc / "sys" / "kernel" / name).write_text(str(value))
+
+
+def _memory_parent() -> Path | None:
+    """The memory cgroup folder under which each submission gets a group of its own: cgroup v1's
+    memory hierarchy, or a cgroup v2 tree whose memory controller this process may delegate."""
+    v1 = Path("/sys/fs/cgroup/memory")
+    if (v1 / "memory.limit_in_bytes").exists():
+        return v1 / GROUPS
+    v2 = Path("/sys/fs/cgroup")
+    try:
+        if "memory" in (v2 / "cgroup.subtree_control").read_text().split():
+            return v2 / GROUPS
+    except OSError:
+        pass
+    return None
+
+
+def join_memory_group(name: str, limit: int) -> bool:
+    """In the forked child, still root: move into a memory cgroup of its own capped at `limit`
+    bytes, which counts what RLIMIT_AS does not (tmpfs files, shared memory, page cache).
+    False where this machine has no memory cgroup to use."""
+    parent = _memory_parent()
+    if parent is None:
+        return False
+    try:
+        parent.mkdir(exist_ok=True)
+        if (parent / "cgroup.subtree_control").exists():  # v2: let the groups below limit memory
+            (parent / "cgroup.subtree_control").write_text("+memory")
+        group = parent / name
+        group.mkdir()
+        for knob in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes", "memory.max"):
+            if (group / knob).exists():
+                (group / knob).write_text(str(limit))
+        if (group / "memory.swap.max").exists():
+            (group / "memory.swap.max").write_text("0")
+        (group / "cgroup.procs").write_text("0")
+    except OSError:
+        return False
+    return True
+
+
+def leave_memory_group(name: str) -> None:
+    """In the zygote, once every process of the submission is gone: remove its group."""
+    parent = _memory_parent()
+    if parent is not None:
+        with contextlib.suppress(OSError):
+            (parent / name).rmdir()
 
 
 def readable_problem(uid: int, paths: list[str]) -> str:

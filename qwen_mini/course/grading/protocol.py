@@ -33,6 +33,7 @@ import base64
 import collections
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import socket
@@ -424,6 +425,12 @@ class Codec:
             _need((last + 1) * size <= len(raw), value)
         else:
             _need(offset * size <= len(raw), value)
+        numel = math.prod(shape)
+        if numel * size > MAX_FRAME:  # a view of few bytes that would be gigabytes to compare
+            raise WrongType(
+                f"your code returned a tensor of shape {tuple(shape)} ({numel} elements, a view "
+                f"of a smaller one); the grader takes tensors of at most {MAX_FRAME >> 20} MB"
+            )
         dt_shape = (sid, dtype, offset, tuple(shape), tuple(stride))
         mine = self._grader_tensor(value.get("ph"), raw, dt, offset, shape, stride)
         if mine is not None:

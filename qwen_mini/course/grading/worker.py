@@ -37,6 +37,8 @@ from .monitor import Monitor, Snapshot, changed
 from .protocol import Codec, Handle, ProtocolError
 
 FILE_SIZE_LIMIT = 64 * 2**20  # bytes: a submission may write files, but not fill the disk
+# a worker's memory cgroup also counts the zygote's pages it writes to (copy-on-write)
+COPY_HEADROOM_MB = 512
 PROCESS_LIMIT = 64  # processes of a submission's user (fork bombs)
 PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG = 36, 1
 KEPT_ENV = {"PATH", "LANG", "LANGUAGE", "TZ", "TERM", "MPLBACKEND", "MKL_NUM_THREADS"}
@@ -413,6 +415,8 @@ def _become(job: dict) -> None:
     uid = job.get("uid")
     view = job.get("view")
     if view:
+        limit = (job["memory_mb"] + COPY_HEADROOM_MB) * 2**20
+        isolation.join_memory_group(_group_name(os.getpid(), job), limit)
         isolation.enter(Path(view["root"]), job["cwd"], job["memory_mb"], **view["paths"])
     _limit(job["memory_mb"], uid)
     if uid is not None:
@@ -438,6 +442,10 @@ def _become(job: dict) -> None:
     sys.stderr = io.TextIOWrapper(
         io.FileIO(2, "w", closefd=False), errors="backslashreplace", line_buffering=True
     )
+
+
+def _group_name(pid: int, job: dict) -> str:
+    return f"{pid}-{job.get('uid')}"
 
 
 def _worker_main(job: dict, sock: socket.socket, output: int, snapshot: Snapshot) -> None:
@@ -591,4 +599,6 @@ def serve_zygote(sock_fd: int, chapter: str) -> None:
         except ChildProcessError:
             pass
         left = sweep(job.get("uid"))
+        if view:
+            isolation.leave_memory_group(_group_name(pid, job))
         protocol.send(sock, {"exit": code, "stopped": stopped, "left": left})
