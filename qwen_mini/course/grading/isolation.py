@@ -29,6 +29,7 @@ CLONE_NEWNS, CLONE_NEWIPC = 0x00020000, 0x08000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT = 1, 2, 4, 32
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 SYSTEM = ["/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/opt", "/sys"]
+PRIVATE = {"/", "/tmp", "/var", "/var/tmp", "/dev", "/dev/shm", "/proc"}  # never shown whole
 SITE = ("site-packages", "dist-packages")  # folders of installed packages, not a checkout
 DEVICES = ["null", "zero", "full", "random", "urandom"]
 PACKAGE = Path(__file__).resolve().parents[2]  # .../qwen_mini
@@ -68,7 +69,7 @@ def visible_paths(path: list[str] | None = None) -> list[str]:
     found.append(os.path.dirname(os.path.realpath(sys.executable)))
     for entry in path if path is not None else sys.path:
         real = os.path.realpath(entry) if entry else "/"
-        if real == "/" or not os.path.exists(real):  # never the whole machine
+        if real in PRIVATE or not os.path.exists(real):  # never the machine, nor a shared /tmp
             continue
         if real == str(PACKAGE.parent) and Path(real).name not in SITE:
             found.append(str(PACKAGE))  # a source checkout: the package, not its siblings
@@ -125,6 +126,8 @@ def enter(new_root: Path, cwd: str, memory_mb: int, visible: list[str], hidden: 
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the host
     _tmpfs(new_root, 16, mode="755")
     inside = lambda p: new_root / str(p).lstrip("/")  # noqa: E731
+    for folder in ("/tmp", "/var/tmp"):  # first: a visible folder may lie in the host's /tmp
+        _tmpfs(inside(folder), memory_mb)
     for path in visible:
         _bind(path, inside(path))
     for path in hidden:
@@ -134,12 +137,9 @@ def enter(new_root: Path, cwd: str, memory_mb: int, visible: list[str], hidden: 
     _tmpfs(dev, 1, mode="755")
     for name in DEVICES:
         _bind(f"/dev/{name}", dev / name, writable=True)
-    for name, target in [("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0")]:
-        os.symlink(target, dev / name)
-    os.symlink("/proc/self/fd/1", dev / "stdout")
-    os.symlink("/proc/self/fd/2", dev / "stderr")
-    for folder in (dev / "shm", inside("/tmp"), inside("/var/tmp")):
-        _tmpfs(folder, memory_mb)
+    for name, fd in [("fd", ""), ("stdin", "/0"), ("stdout", "/1"), ("stderr", "/2")]:
+        os.symlink("/proc/self/fd" + fd, dev / name)
+    _tmpfs(dev / "shm", memory_mb)
     proc = inside("/proc")
     proc.mkdir()
     _mount("proc", proc, "proc", MS_NOSUID | MS_NODEV, "hidepid=2")
