@@ -107,7 +107,8 @@ def _bind(source: str, target: Path, writable: bool = False) -> None:
     else:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.touch()
-    _mount(source, target, None, MS_BIND | MS_REC)
+    # /sys without what is mounted on it (the machine's cgroups: every process id)
+    _mount(source, target, None, MS_BIND | (0 if source == "/sys" else MS_REC))
     if not writable:
         flags = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV
         _mount(None, target, None, flags)

@@ -75,7 +75,7 @@ class Zygote:
     def __init__(self, chapter: str, workdir: Path):
         self.chapter, self.workdir = chapter, workdir
         self.exercises: list[str] = []
-        self.isolated = False  # the workers see a private view of the machine (isolation.py)
+        self.not_isolated = ""  # why the workers see the machine itself, not a view of their own
         self._spawn()
 
     def _spawn(self) -> None:
@@ -105,7 +105,8 @@ class Zygote:
         if ready.get("unreadable"):
             self.close()
             raise GraderError(_UNREADABLE.format(ready["unreadable"]))
-        self.exercises, self.isolated = ready["exercises"], ready.get("isolated") is True
+        self.exercises = ready["exercises"]
+        self.not_isolated = str(ready.get("not_isolated") or "")
 
     def _receive(self, timeout: float) -> dict | None:
         self.sock.settimeout(timeout)

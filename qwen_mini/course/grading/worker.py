@@ -38,7 +38,7 @@ from .protocol import Codec, Handle, ProtocolError
 
 FILE_SIZE_LIMIT = 64 * 2**20  # bytes: a submission may write files, but not fill the disk
 # a worker's memory cgroup also counts the zygote's pages it writes to (copy-on-write)
-COPY_HEADROOM_MB = 512
+COPY_HEADROOM_MB = 256  # measured: about 25 MB once started
 PROCESS_LIMIT = 64  # processes of a submission's user (fork bombs)
 PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG = 36, 1
 KEPT_ENV = {"PATH", "LANG", "LANGUAGE", "TZ", "TERM", "MPLBACKEND", "MKL_NUM_THREADS"}
@@ -496,26 +496,31 @@ def _references(spec: dict) -> tuple[list, set]:
     return found, {_locate(w) for w in spec["earlier"]}
 
 
-def _view(workdir: Path) -> dict | None:
+def _view(workdir: Path) -> tuple[dict | None, str]:
     """The worker's view of the machine (isolation.py) if this machine lets the zygote build it
-    (tried once, in a child); None where it does not (not root, namespaces forbidden)."""
+    (tried once, in a child), else None and why (not root, namespaces forbidden)."""
     if os.geteuid() != 0:
-        return None
+        return None, "the grader does not run as root"
     root = workdir / "view"
     root.mkdir(exist_ok=True)
     view = {"root": str(root), "paths": {}}
     view["paths"] = {"visible": isolation.visible_paths(), "hidden": isolation.hidden_paths()}
+    r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        code = 1
         try:
+            os.close(r)
             os.makedirs(workdir / "probe", exist_ok=True)
             isolation.enter(root, str(workdir / "probe"), 16, **view["paths"])
-            code = 0
+        except BaseException as e:
+            os.write(w, f"{type(e).__name__}: {e}".encode()[:2000])
         finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return view if os.waitstatus_to_exitcode(status) == 0 else None
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        why = f.read().decode(errors="replace")
+    os.waitpid(pid, 0)
+    return (None, why) if why else (view, "")
 
 
 def _unreadable(paths: list[str]) -> str:
@@ -553,13 +558,13 @@ def serve_zygote(sock_fd: int, chapter: str) -> None:
             plt.close("all")
         found, earlier = _references(protocol.receive(sock))
         snapshot = Snapshot(found, earlier=earlier)
-        view = _view(Path.cwd())
+        view, why = _view(Path.cwd())
         problem = ""
         if view is None and os.geteuid() == 0:  # users switch, but see the machine as it is
             needed = [sys.executable, *sys.path, *(m.__file__ for m in (qwen_mini, torch))]
             problem = _unreadable([p for p in needed if p and os.path.exists(p)])
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
-        ready = {"ready": True, "exercises": [e.id for e in found], "isolated": bool(view)}
+        ready = {"ready": True, "exercises": [e.id for e in found], "not_isolated": why}
         protocol.send(sock, dict(ready, unreadable=problem))
     except BaseException:
         protocol.send(sock, {"ready": False, "error": traceback.format_exc()})
