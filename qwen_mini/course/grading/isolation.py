@@ -120,9 +120,13 @@ def _tmpfs(target: Path, size_mb: int, mode: str = "1777", readonly: bool = Fals
     _mount("tmpfs", target, "tmpfs", flags, f"size={size_mb}m,mode={mode}")
 
 
-def enter(new_root: Path, cwd: str, memory_mb: int, visible: list[str], hidden: list[str]):
+def enter(
+    new_root: Path, cwd: str, memory_mb: int, visible: list[str], hidden: list[str], files=()
+):
     """In the forked child, still root: unshare, build the worker's root on `new_root` (an empty
-    folder), and chroot into it, in `cwd` (a host folder, kept writable at its own path)."""
+    folder), and chroot into it, in `cwd` (a host folder, kept writable at its own path).
+    `files`: single files shown read-only even inside a hidden folder (an extra chapter's check
+    file that defines its references: the zygote has loaded it, so its source is no secret)."""
     _call("unshare", CLONE_NEWNS | CLONE_NEWIPC)
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the host
     _tmpfs(new_root, 16, mode="755")
@@ -134,6 +138,8 @@ def enter(new_root: Path, cwd: str, memory_mb: int, visible: list[str], hidden: 
     for path in hidden:
         if inside(path).is_dir():
             _tmpfs(inside(path), 1, mode="755", readonly=True)
+    for path in files:
+        _bind(path, inside(path))
     dev = inside("/dev")
     _tmpfs(dev, 1, mode="755")
     for name in DEVICES:

@@ -256,13 +256,10 @@ class Codec:
         name = str(value.dtype).removeprefix("torch.")
         if name not in DTYPES:
             return {"t": "bad", "v": f"a tensor of dtype {value.dtype}"}
-        data = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
-        raw = data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
         out = {
             "t": "tensor",
             "dtype": name,
-            "shape": list(data.shape),
-            "data": base64.b64encode(raw).decode("ascii"),
+            "shape": list(value.shape),
             "grad": bool(value.requires_grad and value.is_leaf),
         }
         if self.side == "p":  # the worker may hand it back: it will say so ("ph")
@@ -270,9 +267,11 @@ class Codec:
         if self.side == "w":  # the grader may change it in place (p.fill_(1.0)): keep a way back
             out["h"] = self.handle(value)
             shared = self._storage(value)
-            if shared is not None:
-                del out["data"]
-                out.update(shared)
+            if shared is not None:  # its storage only (a view of few bytes stays few bytes)
+                return out | shared
+        data = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
+        raw = data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
+        out["data"] = base64.b64encode(raw).decode("ascii")
         return out
 
     def _storage(self, value: torch.Tensor) -> dict | None:

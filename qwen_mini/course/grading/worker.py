@@ -43,6 +43,7 @@ PROCESS_LIMIT = 64  # processes of a submission's user (fork bombs)
 PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG = 36, 1
 KEPT_ENV = {"PATH", "LANG", "LANGUAGE", "TZ", "TERM", "MPLBACKEND", "MKL_NUM_THREADS"}
 _DROPPED = False  # this process runs as a user id of its own
+_FROM_FILES: list[str] = []  # the files references were loaded from (an extra chapter's checks)
 
 
 # --- the worker ----------------------------------------------------------------------------------
@@ -483,6 +484,7 @@ def _locate(where: list) -> object:
             spec = importlib.util.spec_from_file_location(module, file)
             sys.modules[module] = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(sys.modules[module])
+            _FROM_FILES.append(os.path.realpath(file))
     obj = sys.modules[module]
     for name in qualname.split("."):
         obj = getattr(obj, name)
@@ -505,6 +507,7 @@ def _view(workdir: Path) -> tuple[dict | None, str]:
     root.mkdir(exist_ok=True)
     view = {"root": str(root), "paths": {}}
     view["paths"] = {"visible": isolation.visible_paths(), "hidden": isolation.hidden_paths()}
+    view["paths"]["files"] = _FROM_FILES
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
