@@ -3,9 +3,11 @@ the stand-ins (`Remote`) through which the checks, running here, call the learne
 
 A submission's worker runs as a user id of its own when the grader runs as root (a fresh id per
 submission, no account, no groups), in a fresh folder under the system's temporary folder, with
-limits on memory, file size and processes. Nothing it does reaches this process except messages
-on its socket, and each of those is validated: a malformed one, a stall past the deadline or a
-dead worker raise `WorkerFault`, which the session turns into that submission's status.
+limits on memory, file size and processes, and in a view of the machine of its own (see
+isolation.py: it sees neither the checks nor other submissions, and leaves nothing behind).
+Nothing it does reaches this process except messages on its socket, and each of those is
+validated: a malformed one, a stall past the deadline or a dead worker raise `WorkerFault`,
+which the session turns into that submission's status.
 
 The grader's objects reach a worker in two ways: by value (a module, a package or check object:
 see byvalue.py), or, for what cannot be pickled and the check's own functions, as a handle the
@@ -69,8 +71,9 @@ class BadMessage(WorkerFault):
 
 
 class Zygote:
-    """A process that has imported torch and the chapter's checks and forks one worker per
-    submission; it kills what a submission leaves behind when the grader says it is done."""
+    """A process that has imported torch and the chapter's references (not its checks) and
+    forks one worker per submission; it kills what a submission leaves behind when the grader
+    says it is done."""
 
     def __init__(self, chapter: str, workdir: Path):
         self.chapter, self.workdir = chapter, workdir

@@ -1,11 +1,13 @@
 """What runs on the sandbox side: the zygote, and in each forked worker the learner's cells.
 
 The zygote (`python -I`, trusted, started once per grading slot) imports torch, IPython's cell
-transformer and the chapter's checks, notes what every exercise's reference is made of, then
-forks one worker per submission. A worker drops to an unprivileged user of its own (when the
-grader runs as root), sets its limits, and then obeys the grader: run cell N, look up a name,
-call a method of an object of its own, report whether an exercise's reference ran. It never
-compares anything: the checks run in the grader, on values this process sends as plain data.
+transformer and the chapter's references (never its checks: the grader says where each reference
+is), notes what every reference is made of, then forks one worker per submission. A worker
+enters a view of the machine of its own (isolation.py), drops to an unprivileged user of its own
+(when the grader runs as root), sets its limits, and then obeys the grader: run cell N, look up
+a name, call a method of an object of its own, report whether an exercise's reference ran. It
+never compares anything: the checks run in the grader, on values this process sends as plain
+data.
 
 When a submission is done, the zygote kills every process it left behind: the worker's session,
 every process of its user id, and every orphan reparented to the zygote (a child subreaper), so
