@@ -76,6 +76,7 @@ def visible_paths(path: list[str] | None = None) -> list[str]:
         else:
             found.append(real)
     found.append(str(PACKAGE))
+    found += [os.path.realpath(p) for p in found]  # where a link (a venv's) leads
     return _outermost(found)
 
 
@@ -99,7 +100,8 @@ def hidden_paths() -> list[str]:
 
 
 def _bind(source: str, target: Path, writable: bool = False) -> None:
-    if os.path.islink(source):  # /bin -> usr/bin: the same link
+    if os.path.islink(source):  # /bin -> usr/bin: the same link (its target is shown too)
+        target.parent.mkdir(parents=True, exist_ok=True)
         os.symlink(os.readlink(source), target)
         return
     if os.path.isdir(source):
