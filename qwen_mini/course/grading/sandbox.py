@@ -154,11 +154,12 @@ class Zygote:
             self.proc.wait()
 
 
-_UNREADABLE = """the sandbox's user cannot read what a submission needs ({}), and this machine
-does not let the grader give it a private view of the files (mount namespaces, as root). Grading
-now would cost correct notebooks points. Install the course and its Python where every user can
-read them (for instance not under a 0700 home folder: `chmod o+rx` each folder above), or run
-the grader as root where mount namespaces are allowed."""
+_UNREADABLE = """the sandbox's user cannot read what a submission needs:
+  {}
+and this machine does not let the grader give it a private view of the files (mount namespaces,
+as root). Grading now would cost correct notebooks points. Install the course and its Python
+where every user can read them (not under a 0700 home folder; or `chmod o+rx` each folder
+above them), or run the grader as root where mount namespaces are allowed."""
 
 
 def _place(obj) -> list:
