@@ -7,18 +7,20 @@ from pathlib import Path
 
 import pytest
 
+from qwen_mini.course.checking import PATH_ENV
 from qwen_mini.course.grading import isolation
 
 ROOT = Path(__file__).resolve().parent.parent
 ROOTED = os.geteuid() == 0 and sys.platform == "linux"
 
 
-def test_a_source_checkout_shows_only_its_package():
+def test_a_source_checkout_shows_only_its_package(monkeypatch, tmp_path):
     shown = isolation.visible_paths([str(ROOT), "/", "/tmp", ""])
     assert str(ROOT / "qwen_mini") in shown
     assert not [p for p in shown if p in (str(ROOT), "/", "/tmp")]
     assert not [p for p in shown if Path(p) in (ROOT / "solutions", ROOT / "tests")]
-    assert str(ROOT / "qwen_mini" / "course" / "checks") in isolation.hidden_paths()
+    monkeypatch.setenv(PATH_ENV, f"{tmp_path}{os.pathsep}")
+    assert isolation.hidden_paths() == [str(tmp_path.resolve())]
 
 
 def test_nested_folders_are_shown_once():
