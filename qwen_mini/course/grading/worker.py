@@ -500,49 +500,50 @@ def _references(spec: dict) -> tuple[list, set]:
     return found, {_locate(w) for w in spec["earlier"]}
 
 
+def _in_child(fn) -> str:
+    """Run `fn` in a forked child (it may mount, chroot or switch users); the text it returns,
+    or what it raised."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            try:
+                text = fn()
+            except BaseException as e:
+                text = f"{type(e).__name__}: {e}"
+            os.write(w, text.encode()[:2000])
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        text = f.read().decode(errors="replace")
+    os.waitpid(pid, 0)
+    return text
+
+
 def _view(workdir: Path) -> tuple[dict | None, str]:
     """The worker's view of the machine (isolation.py) if this machine lets the zygote build it
     (tried once, in a child), else None and why (not root, namespaces forbidden)."""
     if os.geteuid() != 0:
         return None, "the grader does not run as root"
-    root = workdir / "view"
+    root, probe = workdir / "view", workdir / "probe"
     root.mkdir(exist_ok=True)
-    view = {"root": str(root), "paths": {}}
-    view["paths"] = {"visible": isolation.visible_paths(), "hidden": isolation.hidden_paths()}
-    view["paths"]["files"] = _FROM_FILES
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            os.makedirs(workdir / "probe", exist_ok=True)
-            isolation.enter(root, str(workdir / "probe"), 16, **view["paths"])
-        except BaseException as e:
-            os.write(w, f"{type(e).__name__}: {e}".encode()[:2000])
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        why = f.read().decode(errors="replace")
-    os.waitpid(pid, 0)
-    return (None, why) if why else (view, "")
+    probe.mkdir(exist_ok=True)
+    paths = {"visible": isolation.visible_paths(), "hidden": isolation.hidden_paths()}
+    paths["files"] = _FROM_FILES
+
+    def attempt() -> str:
+        isolation.enter(root, str(probe), 16, **paths)
+        return ""
+
+    why = _in_child(attempt)
+    return (None, why) if why else ({"root": str(root), "paths": paths}, "")
 
 
 def _unreadable(paths: list[str]) -> str:
     """As a user of no account, the first of `paths` it cannot read ("" if none)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            os.write(w, isolation.readable_problem(2_099_999_999, paths).encode()[:2000])
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        problem = f.read().decode(errors="replace")
-    os.waitpid(pid, 0)
-    return problem
+    return _in_child(lambda: isolation.readable_problem(2_099_999_999, paths))
 
 
 def serve_zygote(sock_fd: int, chapter: str) -> None:
