@@ -25,8 +25,8 @@ def test_a_source_checkout_shows_only_its_package(monkeypatch, tmp_path):
 
 def test_nested_folders_are_shown_once():
     assert isolation._outermost(["/usr/lib", "/usr", "/usrx", "/a/b", "/a/b/c"]) == [
-        "/usr",
         "/a/b",
+        "/usr",
         "/usrx",
     ]
 

@@ -84,7 +84,7 @@ def _outermost(paths: list[str]) -> list[str]:
     for p in sorted(set(paths), key=len):
         if not any(p == k or p.startswith(k.rstrip("/") + "/") for k in kept):
             kept.append(p)
-    return kept
+    return sorted(kept)
 
 
 def hidden_paths() -> list[str]:
