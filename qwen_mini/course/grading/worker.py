@@ -597,6 +597,8 @@ def serve_zygote(sock_fd: int, chapter: str) -> None:
             protocol.receive(sock)  # {"end": ...}: the grader is done with this submission
         except (EOFError, OSError, ProtocolError):
             sweep(job.get("uid"))
+            if view:
+                isolation.leave_memory_group(_group_name(pid, job))
             return
         stopped = _state_of(pid) == "T"
         try:
