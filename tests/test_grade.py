@@ -17,6 +17,7 @@ the submissions graded between them did.
 
 import contextlib
 import csv
+import hashlib
 import json
 import os
 import re
@@ -32,7 +33,7 @@ from qwen_mini.course import build
 from qwen_mini.course import notebooks as nbs
 from qwen_mini.course.checking import PATH_ENV
 from qwen_mini.course.grading import cli as grade
-from qwen_mini.course.grading import sandbox
+from qwen_mini.course.grading import isolation, sandbox
 from qwen_mini.course.grading.sandbox import PROCESS_OUTPUT_CAP
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,6 +146,12 @@ def graded(tmp_path_factory):
     odd["cells"] += [{"cell_type": "code", "source": 42}, {"cell_type": "code", "source": {"a": 1}}]
     odd["cells"] += [{"cell_type": None}, {"cell_type": "code", "source": ["x = 1\n", 3]}]
     (folder / "s2_odd_cells.ipynb").write_text(json.dumps(odd))
+    # megabytes of cell-magic names, 120 skipped magics: warnings a report must bound
+    cell = {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None}
+    magics = [dict(cell, id=f"long-{n}", source=f"%%{'m' * 2_000_000}{n}\npass") for n in range(3)]
+    magics += [dict(cell, id=f"many-{n}", source="%lsmagic") for n in range(120)]
+    long_names = dict(solution, cells=[*solution["cells"], *magics])
+    (folder / "s2_long_magic_names.ipynb").write_text(json.dumps(long_names))
     (folder / os.fsdecode(b"s2_caf\xe9_latin1_name.ipynb")).write_text(nbs.dumps(solution))
     started = time.monotonic()
     code = _run(folder, out, ["--jobs", "2", str(folder)])  # two grading processes at once
@@ -242,6 +249,7 @@ def test_the_csv_is_the_graders(graded):
     code, rows, _, _, folder = graded
     expected = {"a_first", "solution", "z_last", "blank", *SUBMISSIONS}
     expected |= {"s2_not_json", "s2_not_utf8", "s2_odd_cells", "s2_caf\\udce9_latin1_name"}
+    expected |= {"s2_long_magic_names"}
     assert set(rows) == expected
     time.sleep(1)  # a process left behind would overwrite it now
     assert set(_rows(folder / "out" / "grades.csv")) == expected
@@ -263,6 +271,128 @@ def test_learner_code_cannot_write_into_the_repository(graded):
     for p in ROOT.rglob(f"pwned_{MARKER}.py"):
         p.unlink()
     assert rows["s1_writes_repository"]["total"] == "5"
+
+
+def _printed(reports, name: str, prefix: str) -> list[str]:
+    """What a submission printed on lines starting with `prefix` (the prefix removed)."""
+    lines = reports[name]["process_output"].splitlines()
+    return [x[len(prefix) :] for x in lines if x.startswith(prefix)]
+
+
+ISOLATED = ROOTED and sys.platform == "linux"  # a view of its own (grading/isolation.py)
+ONLY_ISOLATED = pytest.mark.skipif(not ISOLATED, reason="a private view needs root on Linux")
+
+
+@ONLY_ISOLATED
+def test_nothing_a_submission_leaves_survives_it(graded):
+    _, rows, reports, _, _ = graded
+    # it could write everywhere a program writes scratch files...
+    left = _printed(reports, "s1_leaves_files", "LEFT ")
+    assert {"/tmp", "/var/tmp", "/dev/shm"} <= set(left) and len(left) == 5, left
+    assert int(_printed(reports, "s1_leaves_files", "SHM ")[0]) >= 0  # a segment was made
+    assert rows["s1_leaves_files"]["total"] == "5"
+    # ...and none of it is on this machine once it is graded, nor seen by another submission
+    for folder in ("/tmp", "/var/tmp", "/dev/shm"):
+        assert not (Path(folder) / f"left-{MARKER}").exists(), folder
+    key = int(hashlib.sha256(MARKER.encode()).hexdigest()[:7], 16)
+    keys = [int(line.split()[0]) for line in Path("/proc/sysvipc/shm").read_text().splitlines()[1:]]
+    assert key not in keys
+    assert _printed(reports, "s1_finds_leftovers", "FOUND") == []
+    assert rows["s1_finds_leftovers"]["total"] == "5"
+
+
+@ONLY_ISOLATED
+def test_the_grader_and_other_submissions_are_invisible(graded):
+    _, rows, reports, _, folder = graded
+    name = "s1_reads_classmates"
+    assert _printed(reports, name, "SAW ") == [""]  # no process but its own in /proc
+    assert rows[name]["total"] == "5"
+    out = folder / "out"
+    denied = [x.split()[0] for x in _printed(reports, name, "DENIED ")]
+    assert denied == [str(folder), str(folder / "solution.ipynb"), str(out)]
+    # of the repository, only the package (and the Python installation) is there: no
+    # solutions or grades; of tests/, only the fixture chapter's check file, which defines
+    # the chapter's references (README: what is not guaranteed)
+    [listed] = _printed(reports, name, "LISTED ")
+    shown = set(listed.removeprefix(f"{ROOT} ").split())
+    assert "qwen_mini" in shown and shown <= {"qwen_mini", "tests", Path(sys.prefix).name}
+    env = set(_printed(reports, name, "ENV ")[0].split())
+    assert PATH_ENV not in env and "PWD" not in env and "HOME" in env
+    assert not {v for v in env if v.startswith(("SUDO", "SSH", "PYTEST", "QWEN_MINI_E"))}
+
+
+@ONLY_ISOLATED
+def test_no_check_is_loaded_and_solutions_are_out_of_reach(graded):
+    _, rows, reports, _, _ = graded
+    name = "s4_reads_hidden_checks"
+    assert "GOT" not in reports[name]["process_output"], reports[name]["process_output"]
+    assert rows[name]["total"] == "0" and "passed" not in statuses(rows, name)
+
+
+FILLS_MEMORY = """
+import ctypes
+import os
+
+chunk = b'x' * (32 << 20)
+written = 0
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+try:
+    for folder in ('/dev/shm', '/tmp', '/var/tmp'):  # each within its own cap of 256 MB
+        for i in range(7):
+            with open(os.path.join(folder, f'fill-{i}'), 'wb') as f:
+                f.write(chunk)
+            written += len(chunk)
+    for i in range(6):
+        segment = libc.shmget(0, len(chunk), 0o1600)
+        address = libc.shmat(segment, None, 0) if segment >= 0 else None
+        if address in (None, 2**64 - 1):
+            raise OSError(ctypes.get_errno(), 'shared memory')
+        ctypes.memset(address, 1, len(chunk))
+        written += len(chunk)
+finally:
+    print(f'WROTE {written >> 20} MB')
+
+
+def mean_square(x, dim=-1):
+    return x.pow(2).mean(dim) if x.shape[dim] else x.sum(dim)
+
+
+check('ch98.mean_square', mean_square)
+"""
+
+
+@ONLY_ISOLATED
+def test_memory_in_files_and_shared_memory_counts_against_the_limit(tmp_path):
+    # 864 MB in /dev/shm, /tmp, /var/tmp and System V segments, none over its own 256 MB cap
+    nb = _notebook(nbs.load(SOLUTION), {"mean-square": FILLS_MEMORY})
+    (tmp_path / "fills.ipynb").write_text(nbs.dumps(nb))
+    extra = ["--memory-mb", "256", "--timeout", "60", "--budget", "120"]
+    assert _run(tmp_path, tmp_path / "g.csv", [*extra, str(tmp_path / "fills.ipynb")]) == 0
+    report = json.loads((tmp_path / "g-reports" / "fills.json").read_text())
+    entry = report["exercises"]["ch98.mean_square"]
+    if isolation._memory_parent() is not None:  # a memory cgroup counts them all: killed
+        assert entry["status"] == "crashed" and "memory" in entry["message"], entry
+        assert report["total"] == 3
+    else:  # no cgroup (README): each kind is capped at the limit, not counted with it
+        assert entry["status"] == "passed" and "WROTE 864 MB" in report["process_output"]
+
+
+def test_a_huge_view_is_refused_before_it_costs_the_grader_memory(graded):
+    _, rows, reports, _, _ = graded
+    entry = reports["s2_huge_view"]["exercises"]["ch98.mean_square"]
+    assert entry["status"] == "failed" and "at most 64 MB" in entry["message"], entry
+    assert "64000000 elements" in entry["message"] and rows["s2_huge_view"]["total"] == "3"
+
+
+def test_reports_stay_small_whatever_the_notebook_holds(graded):
+    _, rows, reports, _, folder = graded
+    report = folder / "out" / "grades-reports" / "s2_long_magic_names.json"
+    assert rows["s2_long_magic_names"]["total"] == "5"
+    assert report.stat().st_size < 200_000  # 3 names of 2 MB: 6 MB unbounded
+    warnings = reports["s2_long_magic_names"]["warnings"]
+    assert len(warnings) == 101 and warnings[-1].endswith("more warnings")
+    assert all(len(w) <= 1001 for w in warnings) and any(w.endswith("…") for w in warnings)
 
 
 # --- 2. nothing in one notebook stops the run ----------------------------------------------------
@@ -387,6 +517,7 @@ def test_a_killed_run_keeps_the_rows_it_wrote(graded, tmp_path):
         "s3_torch_compile",
         "s3_magics",
         "s3_calls_earlier_package_piece",
+        "s3_uses_temp_space",
     ],
 )
 def test_honest_notebooks_get_full_marks(graded, name):

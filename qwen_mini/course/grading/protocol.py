@@ -33,6 +33,7 @@ import base64
 import collections
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import socket
@@ -255,13 +256,10 @@ class Codec:
         name = str(value.dtype).removeprefix("torch.")
         if name not in DTYPES:
             return {"t": "bad", "v": f"a tensor of dtype {value.dtype}"}
-        data = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
-        raw = data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
         out = {
             "t": "tensor",
             "dtype": name,
-            "shape": list(data.shape),
-            "data": base64.b64encode(raw).decode("ascii"),
+            "shape": list(value.shape),
             "grad": bool(value.requires_grad and value.is_leaf),
         }
         if self.side == "p":  # the worker may hand it back: it will say so ("ph")
@@ -269,9 +267,11 @@ class Codec:
         if self.side == "w":  # the grader may change it in place (p.fill_(1.0)): keep a way back
             out["h"] = self.handle(value)
             shared = self._storage(value)
-            if shared is not None:
-                del out["data"]
-                out.update(shared)
+            if shared is not None:  # its storage only (a view of few bytes stays few bytes)
+                return out | shared
+        data = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
+        raw = data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
+        out["data"] = base64.b64encode(raw).decode("ascii")
         return out
 
     def _storage(self, value: torch.Tensor) -> dict | None:
@@ -424,6 +424,12 @@ class Codec:
             _need((last + 1) * size <= len(raw), value)
         else:
             _need(offset * size <= len(raw), value)
+        numel = math.prod(shape)
+        if numel * size > MAX_FRAME:  # a view of few bytes that would be gigabytes to compare
+            raise WrongType(
+                f"your code returned a tensor of shape {tuple(shape)} ({numel} elements, a view "
+                f"of a smaller one); the grader takes tensors of at most {MAX_FRAME >> 20} MB"
+            )
         dt_shape = (sid, dtype, offset, tuple(shape), tuple(stride))
         mine = self._grader_tensor(value.get("ph"), raw, dt, offset, shape, stride)
         if mine is not None:

@@ -119,6 +119,18 @@ def report_name(notebook: str, used: set[str]) -> str:
     return name
 
 
+MAX_WARNINGS, MAX_WARNING_CHARS = 100, 1000  # a report stays small whatever a notebook holds
+
+
+def bounded(warnings: list[str]) -> list[str]:
+    """At most MAX_WARNINGS warnings of at most MAX_WARNING_CHARS each (a cell magic's name
+    can be megabytes long), saying what was left out."""
+    kept = [w if len(w) <= MAX_WARNING_CHARS else w[:MAX_WARNING_CHARS] + "…" for w in warnings]
+    if len(kept) > MAX_WARNINGS:
+        kept = kept[:MAX_WARNINGS] + [f"… and {len(kept) - MAX_WARNINGS} more warnings"]
+    return kept
+
+
 def write_report(folder: Path, name: str, grades: Grades, chapter: int) -> Path:
     report = {
         "notebook": grades.notebook,
@@ -126,7 +138,7 @@ def write_report(folder: Path, name: str, grades: Grades, chapter: int) -> Path:
         "total": grades.total,
         "max_total": grades.max_total,
         "error": grades.error,
-        "warnings": grades.warnings,
+        "warnings": bounded(grades.warnings),
         "exercises": grades.exercises,
         "process_output": grades.output,
     }

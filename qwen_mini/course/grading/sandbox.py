@@ -3,9 +3,11 @@ the stand-ins (`Remote`) through which the checks, running here, call the learne
 
 A submission's worker runs as a user id of its own when the grader runs as root (a fresh id per
 submission, no account, no groups), in a fresh folder under the system's temporary folder, with
-limits on memory, file size and processes. Nothing it does reaches this process except messages
-on its socket, and each of those is validated: a malformed one, a stall past the deadline or a
-dead worker raise `WorkerFault`, which the session turns into that submission's status.
+limits on memory, file size and processes, and in a view of the machine of its own (see
+isolation.py: it sees neither the checks nor other submissions, and leaves nothing behind).
+Nothing it does reaches this process except messages on its socket, and each of those is
+validated: a malformed one, a stall past the deadline or a dead worker raise `WorkerFault`,
+which the session turns into that submission's status.
 
 The grader's objects reach a worker in two ways: by value (a module, a package or check object:
 see byvalue.py), or, for what cannot be pickled and the check's own functions, as a handle the
@@ -41,6 +43,7 @@ from .protocol import Codec, ProtocolError
 
 PROCESS_OUTPUT_CAP = 20_000  # bytes kept of what a worker wrote to its stdout / stderr
 MAX_NESTING = 20  # requests from the worker while one of ours is pending
+SYSTEM_TMP = tempfile.gettempdir()  # where submissions' folders go (the grader's own: per run)
 BOOT = (
     "import sys; sys.path.insert(0, sys.argv[3]); "
     "from qwen_mini.course.grading.worker import serve_zygote; "
@@ -68,12 +71,14 @@ class BadMessage(WorkerFault):
 
 
 class Zygote:
-    """A process that has imported torch and the chapter's checks and forks one worker per
-    submission; it kills what a submission leaves behind when the grader says it is done."""
+    """A process that has imported torch and the chapter's references (not its checks) and
+    forks one worker per submission; it kills what a submission leaves behind when the grader
+    says it is done."""
 
     def __init__(self, chapter: str, workdir: Path):
         self.chapter, self.workdir = chapter, workdir
         self.exercises: list[str] = []
+        self.not_isolated = ""  # why the workers see the machine itself, not a view of their own
         self._spawn()
 
     def _spawn(self) -> None:
@@ -93,12 +98,18 @@ class Zygote:
                 env=env,
             )
         theirs.close()
+        with contextlib.suppress(OSError):
+            protocol.send(self.sock, _chapter_spec(self.chapter))
         ready = self._receive(600)
         if not ready or not ready.get("ready"):
             detail = (ready or {}).get("error") or self.log.read_text(errors="replace")
             self.close()
             raise GraderError(f"could not load the checks of {self.chapter}:\n{detail}")
+        if ready.get("unreadable"):
+            self.close()
+            raise GraderError(_UNREADABLE.format(ready["unreadable"]))
         self.exercises = ready["exercises"]
+        self.not_isolated = str(ready.get("not_isolated") or "")
 
     def _receive(self, timeout: float) -> dict | None:
         self.sock.settimeout(timeout)
@@ -141,6 +152,35 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+_UNREADABLE = """the sandbox's user cannot read what a submission needs:
+  {}
+and this machine does not let the grader give it a private view of the files (mount namespaces,
+as root). Grading now would cost correct notebooks points. Install the course and its Python
+where every user can read them (not under a 0700 home folder; or `chmod o+rx` each folder
+above them), or run the grader as root where mount namespaces are allowed."""
+
+
+def _place(obj) -> list:
+    """Where the zygote finds `obj`: [module, qualified name, file of the module]."""
+    module = sys.modules[obj.__module__]
+    return [obj.__module__, obj.__qualname__, getattr(module, "__file__", None)]
+
+
+def _chapter_spec(chapter: str) -> dict:
+    """What the zygote needs of a chapter ("ch05"): each exercise's id and where its reference
+    is, and where the earlier chapters' reference classes are (a later exercise may subclass
+    them). Never the checks: the sandbox never imports them."""
+    from ..checking import exercises
+
+    earlier = []
+    if chapter[:2] == "ch" and chapter[2:].isdigit():
+        earlier = [e for n in range(int(chapter[2:])) for e in exercises(f"ch{n:02d}")]
+    return {
+        "exercises": [[e.id, _place(e.reference)] for e in exercises(chapter)],
+        "earlier": [_place(e.reference) for e in earlier if isinstance(e.reference, type)],
+    }
 
 
 def _new_uid() -> int:
@@ -306,8 +346,11 @@ class Connection:
         self.deadline = time.monotonic() + 60
         self.request_id, self.depth = 0, 0
         self.uid = _new_uid() if os.geteuid() == 0 else None
-        self.cwd = tempfile.mkdtemp(prefix="qwen-mini-submission-")
+        self.cwd = tempfile.mkdtemp(prefix="qwen-mini-submission-", dir=SYSTEM_TMP)
         self.output = tempfile.TemporaryFile(dir=zygote.workdir)
+        # the checks' own files (a safetensors file they write) go with this submission
+        self.scratch = tempfile.mkdtemp(prefix="checks-", dir=zygote.workdir)
+        self.tempdir, tempfile.tempdir = tempfile.tempdir, self.scratch
         if self.uid is not None:
             os.chown(self.cwd, self.uid, self.uid)
         self.sock, theirs = socket.socketpair()
@@ -485,6 +528,8 @@ class Connection:
             if self.uid is not None:  # whatever happened to the zygote: none of its uid is left
                 _end_user(self.uid)
             shutil.rmtree(self.cwd, ignore_errors=True)
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            tempfile.tempdir = self.tempdir
             self.output.seek(0)
             self.ended["output"] = self.output.read(PROCESS_OUTPUT_CAP)
             self.ended["output_bytes"] = os.fstat(self.output.fileno()).st_size

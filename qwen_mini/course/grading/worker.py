@@ -1,11 +1,13 @@
 """What runs on the sandbox side: the zygote, and in each forked worker the learner's cells.
 
 The zygote (`python -I`, trusted, started once per grading slot) imports torch, IPython's cell
-transformer and the chapter's checks, notes what every exercise's reference is made of, then
-forks one worker per submission. A worker drops to an unprivileged user of its own (when the
-grader runs as root), sets its limits, and then obeys the grader: run cell N, look up a name,
-call a method of an object of its own, report whether an exercise's reference ran. It never
-compares anything: the checks run in the grader, on values this process sends as plain data.
+transformer and the chapter's references (never its checks: the grader says where each reference
+is), notes what every reference is made of, then forks one worker per submission. A worker
+enters a view of the machine of its own (isolation.py), drops to an unprivileged user of its own
+(when the grader runs as root), sets its limits, and then obeys the grader: run cell N, look up
+a name, call a method of an object of its own, report whether an exercise's reference ran. It
+never compares anything: the checks run in the grader, on values this process sends as plain
+data.
 
 When a submission is done, the zygote kills every process it left behind: the worker's session,
 every process of its user id, and every orphan reparented to the zygote (a child subreaper), so
@@ -17,6 +19,8 @@ from __future__ import annotations
 import builtins
 import contextlib
 import ctypes
+import importlib
+import importlib.util
 import io
 import json
 import os
@@ -24,17 +28,24 @@ import resource
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
+import types
+from pathlib import Path
 
-from . import byvalue, protocol
+from . import byvalue, isolation, protocol
 from .monitor import Monitor, Snapshot, changed
 from .protocol import Codec, Handle, ProtocolError
 
 FILE_SIZE_LIMIT = 64 * 2**20  # bytes: a submission may write files, but not fill the disk
+# a worker's memory cgroup also counts the zygote's pages it writes to (copy-on-write)
+COPY_HEADROOM_MB = 256  # measured: about 25 MB once started
 PROCESS_LIMIT = 64  # processes of a submission's user (fork bombs)
 PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG = 36, 1
+KEPT_ENV = {"PATH", "LANG", "LANGUAGE", "TZ", "TERM", "MPLBACKEND", "MKL_NUM_THREADS"}
 _DROPPED = False  # this process runs as a user id of its own
+_FROM_FILES: list[str] = []  # the files references were loaded from (an extra chapter's checks)
 
 
 # --- the worker ----------------------------------------------------------------------------------
@@ -401,15 +412,17 @@ def _limit(memory_mb: int, uid: int | None) -> None:
 
 
 def _become(job: dict) -> None:
-    """In the forked child: a session of its own, limits, the submission's user, its folder."""
+    """In the forked child: a session of its own, its own view of the machine (isolation.py),
+    limits, the submission's user, its folder and its own temporary space."""
     os.setsid()
     uid = job.get("uid")
+    view = job.get("view")
+    if view:
+        limit = (job["memory_mb"] + COPY_HEADROOM_MB) * 2**20
+        isolation.join_memory_group(_group_name(os.getpid(), job), limit)
+        isolation.enter(Path(view["root"]), job["cwd"], job["memory_mb"], **view["paths"])
     _limit(job["memory_mb"], uid)
-    held = {}
-    if uid is not None:  # folders on sys.path the new user could not enter (a Python under /root)
-        for entry in sys.path:
-            with contextlib.suppress(OSError):
-                held[entry] = os.open(entry, os.O_RDONLY | os.O_DIRECTORY)
+    if uid is not None:
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
@@ -417,21 +430,15 @@ def _become(job: dict) -> None:
         _DROPPED = True
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote gone: nothing left to answer to
     os.chdir(job["cwd"])
-    os.environ.update(HOME=job["cwd"], TMPDIR=job["cwd"], QWEN_MINI_CHECKS="learner")
+    temporary = "/tmp" if view else job["cwd"]  # a private /tmp, or the submission's folder
+    keep = {k: v for k, v in os.environ.items() if k in KEPT_ENV or k.startswith(("LC_", "OMP_"))}
+    os.environ.clear()  # nothing of the grader's environment (a sudo command line...)
+    os.environ.update(keep, HOME=job["cwd"], TMPDIR=temporary, QWEN_MINI_CHECKS="learner")
+    tempfile.tempdir = None  # computed again from TMPDIR, not the zygote's cached choice
     sys.dont_write_bytecode = True
-    if uid is not None:
-        path, moved = [], {}
-        for entry, fd in held.items():
-            if not os.access(entry, os.R_OK | os.X_OK):
-                moved[entry] = f"/proc/self/fd/{fd}"  # opened before the switch: readable
-                entry = moved[entry]
-            else:
-                os.close(fd)
-            if not os.access(entry, os.W_OK):  # nothing importable from a folder it can write
-                path.append(entry)
-        sys.path[:] = path
+    if uid is not None:  # nothing importable from a folder it can write
+        sys.path[:] = [p for p in sys.path if not os.access(p, os.W_OK)]
         sys.path_importer_cache.clear()
-        _repoint_packages(moved)
     sys.stdout = io.TextIOWrapper(
         io.FileIO(1, "w", closefd=False), errors="backslashreplace", line_buffering=True
     )
@@ -440,18 +447,8 @@ def _become(job: dict) -> None:
     )
 
 
-def _repoint_packages(moved: dict[str, str]) -> None:
-    """Packages imported before the switch (importlib, email...) find their submodules through
-    `__path__`: point it at the readable copies of the folders too."""
-    for module in list(sys.modules.values()):
-        path = getattr(module, "__path__", None)
-        if not isinstance(path, list):
-            continue
-        for i, folder in enumerate(path):
-            for old, new in moved.items():
-                if isinstance(folder, str) and (folder == old or folder.startswith(old + os.sep)):
-                    path[i] = new + folder[len(old) :]
-                    break
+def _group_name(pid: int, job: dict) -> str:
+    return f"{pid}-{job.get('uid')}"
 
 
 def _worker_main(job: dict, sock: socket.socket, output: int, snapshot: Snapshot) -> None:
@@ -477,15 +474,76 @@ def _worker_main(job: dict, sock: socket.socket, output: int, snapshot: Snapshot
 # --- the zygote ----------------------------------------------------------------------------------
 
 
-def _earlier_classes(chapter: str) -> set:
-    """The reference classes of the chapters before `chapter` ("ch05"): a later exercise may
-    subclass them (GatedRMSNorm is an RMSNorm)."""
-    from ..checking import exercises
+def _locate(where: list) -> object:
+    """An exercise's reference from its place: [module, qualified name, file]. A module the
+    package does not hold (an extra chapter's check file defining its reference) is loaded from
+    its file; the package's check modules are never imported here."""
+    module, qualname, file = where
+    if module not in sys.modules:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError:
+            spec = importlib.util.spec_from_file_location(module, file)
+            sys.modules[module] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(sys.modules[module])
+            _FROM_FILES.append(os.path.realpath(file))
+    obj = sys.modules[module]
+    for name in qualname.split("."):
+        obj = getattr(obj, name)
+    return obj
 
-    if not (chapter[:2] == "ch" and chapter[2:].isdigit()):
-        return set()
-    earlier = (e for n in range(int(chapter[2:])) for e in exercises(f"ch{n:02d}"))
-    return {e.reference for e in earlier if isinstance(e.reference, type)}
+
+def _references(spec: dict) -> tuple[list, set]:
+    """(exercises with their references, earlier chapters' reference classes) of the grader's
+    description of the chapter: what the worker needs, without a single check."""
+    found = [types.SimpleNamespace(id=x, reference=_locate(w)) for x, w in spec["exercises"]]
+    return found, {_locate(w) for w in spec["earlier"]}
+
+
+def _in_child(fn) -> str:
+    """Run `fn` in a forked child (it may mount, chroot or switch users); the text it returns,
+    or what it raised."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            try:
+                text = fn()
+            except BaseException as e:
+                text = f"{type(e).__name__}: {e}"
+            os.write(w, text.encode()[:2000])
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        text = f.read().decode(errors="replace")
+    os.waitpid(pid, 0)
+    return text
+
+
+def _view(workdir: Path) -> tuple[dict | None, str]:
+    """The worker's view of the machine (isolation.py) if this machine lets the zygote build it
+    (tried once, in a child), else None and why (not root, namespaces forbidden)."""
+    if os.geteuid() != 0:
+        return None, "the grader does not run as root"
+    root, probe = workdir / "view", workdir / "probe"
+    root.mkdir(exist_ok=True)
+    probe.mkdir(exist_ok=True)
+    paths = {"visible": isolation.visible_paths(), "hidden": isolation.hidden_paths()}
+    paths["files"] = _FROM_FILES
+
+    def attempt() -> str:
+        isolation.enter(root, str(probe), 16, **paths)
+        return ""
+
+    why = _in_child(attempt)
+    return (None, why) if why else ({"root": str(root), "paths": paths}, "")
+
+
+def _unreadable(paths: list[str]) -> str:
+    """As a user of no account, the first of `paths` it cannot read ("" if none)."""
+    return _in_child(lambda: isolation.readable_problem(2_099_999_999, paths))
 
 
 def serve_zygote(sock_fd: int, chapter: str) -> None:
@@ -495,7 +553,7 @@ def serve_zygote(sock_fd: int, chapter: str) -> None:
         import torch._dynamo  # noqa: F401  (imported once here, so that importing it is no change)
         from IPython.core.inputtransformer2 import TransformerManager  # noqa: F401
 
-        from ..checking import exercises
+        import qwen_mini
 
         torch.set_num_threads(1)
         os.environ.setdefault("MPLBACKEND", "Agg")
@@ -504,10 +562,16 @@ def serve_zygote(sock_fd: int, chapter: str) -> None:
 
             plt.figure()
             plt.close("all")
-        found = exercises(chapter)
-        snapshot = Snapshot(found, earlier=_earlier_classes(chapter))
+        found, earlier = _references(protocol.receive(sock))
+        snapshot = Snapshot(found, earlier=earlier)
+        view, why = _view(Path.cwd())
+        problem = ""
+        if view is None and os.geteuid() == 0:  # users switch, but see the machine as it is
+            needed = [sys.executable, *sys.path, *(m.__file__ for m in (qwen_mini, torch))]
+            problem = _unreadable([p for p in needed if p and os.path.exists(p)])
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
-        protocol.send(sock, {"ready": True, "exercises": [e.id for e in found]})
+        ready = {"ready": True, "exercises": [e.id for e in found], "not_isolated": why}
+        protocol.send(sock, dict(ready, unreadable=problem))
     except BaseException:
         protocol.send(sock, {"ready": False, "error": traceback.format_exc()})
         return
@@ -518,7 +582,7 @@ def serve_zygote(sock_fd: int, chapter: str) -> None:
             return
         if not message:
             return
-        job = json.loads(message)
+        job = dict(json.loads(message), view=view)
         pid = os.fork()
         if pid == 0:
             try:
@@ -533,6 +597,8 @@ def serve_zygote(sock_fd: int, chapter: str) -> None:
             protocol.receive(sock)  # {"end": ...}: the grader is done with this submission
         except (EOFError, OSError, ProtocolError):
             sweep(job.get("uid"))
+            if view:
+                isolation.leave_memory_group(_group_name(pid, job))
             return
         stopped = _state_of(pid) == "T"
         try:
@@ -546,4 +612,6 @@ def serve_zygote(sock_fd: int, chapter: str) -> None:
         except ChildProcessError:
             pass
         left = sweep(job.get("uid"))
+        if view:
+            isolation.leave_memory_group(_group_name(pid, job))
         protocol.send(sock, {"exit": code, "stopped": stopped, "left": left})
