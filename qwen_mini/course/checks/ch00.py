@@ -17,7 +17,6 @@ import math
 import os
 import struct
 import tempfile
-import tracemalloc
 from pathlib import Path
 
 import torch
@@ -36,6 +35,7 @@ from qwen_mini.course.checking import (
     register,
 )
 from qwen_mini.course.lab import ch00 as lab
+from qwen_mini.course.observing import observe
 from qwen_mini.model import CausalLM
 
 register(
@@ -179,15 +179,10 @@ def _(read_safetensors_header):
         f.write(struct.pack("<Q", len(text)) + text)
     os.truncate(path, 8 + len(text) + _BIG)
     try:
-        was_tracing = tracemalloc.is_tracing()
-        if not was_tracing:
-            tracemalloc.start()
-        tracemalloc.reset_peak()
-        got = _read(read_safetensors_header, path)
-        peak = tracemalloc.get_traced_memory()[1]
+        with observe("peak_memory") as seen:  # made where the code runs (when graded: there)
+            got = _read(read_safetensors_header, path)
+        peak = seen.value
     finally:
-        if not was_tracing:
-            tracemalloc.stop()
         path.unlink()
     if peak > _BIG // 4:
         raise AssertionError(

@@ -30,6 +30,7 @@ from qwen_mini.course.checking import (
     seeded,
 )
 from qwen_mini.course.lab import ch01 as lab
+from qwen_mini.course.observing import observe
 from qwen_mini.model import CausalLM
 from qwen_mini.norms import RMSNorm
 from qwen_mini.rope import apply_rope, rope_cos_sin
@@ -155,23 +156,6 @@ def _(causal_mask):
 # --- attention_weights --------------------------------------------------------------------------
 
 
-class _SoftmaxDtypes(torch.overrides.TorchFunctionMode):
-    """Records the dtype each softmax computes in (its input's, or the dtype= it was asked for)."""
-
-    def __init__(self):
-        super().__init__()
-        self.dtypes = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if "softmax" in getattr(func, "__name__", ""):
-            x = args[0] if args else kwargs.get("input")
-            wanted = kwargs.get("dtype", args[2] if len(args) > 2 else None)
-            dtype = wanted if isinstance(wanted, torch.dtype) else getattr(x, "dtype", None)
-            self.dtypes.append(dtype)
-        return func(*args, **kwargs)
-
-
 @public("ch01.attention_weights")
 def _(attention_weights):
     """scale, -inf, softmax in float32"""
@@ -195,11 +179,11 @@ def _(attention_weights):
             "still gets exp(0) = 1 before normalising)"
         )
     qb, kb = q.bfloat16(), k.bfloat16()
-    with _SoftmaxDtypes() as seen:
+    with observe("softmax_dtypes") as seen:  # made where the code runs (when graded: there)
         w = attention_weights(qb, kb, mask)
-    if seen.dtypes and any(d != torch.float32 for d in seen.dtypes):
+    if seen.value and any(d != torch.float32 for d in seen.value):
         raise AssertionError(
-            f"softmax in float32: for bfloat16 q, k your softmax computes in {seen.dtypes[0]}; "
+            f"softmax in float32: for bfloat16 q, k your softmax computes in {seen.value[0]}; "
             "ask for softmax(..., dtype=torch.float32) (or .float() the scores) and cast the "
             "weights back to q.dtype"
         )

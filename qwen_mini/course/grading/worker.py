@@ -27,6 +27,7 @@ import sys
 import time
 import traceback
 
+from .. import observing
 from . import byvalue, protocol
 from .monitor import Monitor, Snapshot, changed
 from .protocol import Codec, Handle, ProtocolError
@@ -105,6 +106,9 @@ class Worker:
         self.checked: list[tuple[str, object]] = []
         self.cell = -1
         self.request_id = 0
+        self.observers = dict(observing.OBSERVERS)  # as they were before any learner code
+        self.observations: dict[int, object] = {}  # what the checks asked to observe now
+        self.observing = False
 
     # the learner's check() and use(): grading happens in the grader
 
@@ -146,27 +150,55 @@ class Worker:
                 return None
 
     def answer(self, message: dict) -> None:
-        import torch
 
         try:
-            result = {"re": self.codec.encode(self.do(message))}
+            with self.observed(message.get("op")):
+                value = self.do(message)
+            result = {"re": self.codec.encode(value)}
         except ProtocolError:
             raise
         except BaseException as e:  # the learner's exception, sent as a description
             result = {"raise": {"type": _type_name(e), "msg": _text(e)}}
-        copies = self.codec.from_grader
-        if message.get("op") in byvalue.STATE_OPS and any(
-            not isinstance(obj, torch.Tensor) for obj in copies.values()
-        ):
+        if message.get("op") in byvalue.STATE_OPS:
             try:  # what the learner's code did to the objects the check passed in
-                result["state"] = [
-                    [h, self.codec.encode(byvalue.state_of(obj, self.codec.snapshots.get(h)))]
-                    for h, obj in list(copies.items())
-                    if not isinstance(obj, torch.Tensor)
-                ]
+                result.update(self.changes())
             except BaseException as e:
                 result = {"raise": {"type": _type_name(e), "msg": _text(e)}}
         protocol.send(self.sock, dict(result, id=message.get("id")))
+
+    @contextlib.contextmanager
+    def observed(self, op):
+        """A call of the learner's code, inside the observations a check asked for (once: not
+        again in the calls the grader makes back while it runs)."""
+        if op not in byvalue.STATE_OPS or not self.observations or self.observing:
+            yield
+            return
+        self.observing = True
+        try:
+            with contextlib.ExitStack() as stack:
+                for seen in self.observations.values():
+                    stack.enter_context(seen.around())
+                yield
+        finally:
+            self.observing = False
+
+    def changes(self) -> dict:
+        """The state of the grader's objects this process holds, as the learner's code left
+        them: by-value copies ("state"), tensors and containers passed as data ("args")."""
+        import torch
+
+        out = {}
+        copies = self.codec.from_grader
+        if any(not isinstance(obj, torch.Tensor) for obj in copies.values()):
+            out["state"] = [
+                [h, self.codec.encode(byvalue.state_of(obj, self.codec.snapshots.get(h)))]
+                for h, obj in list(copies.items())
+                if not isinstance(obj, torch.Tensor)
+            ]
+        changed = byvalue.changed_arguments(self.codec)
+        if changed:
+            out["args"] = changed
+        return out
 
     def do(self, m: dict):
         import torch
@@ -193,12 +225,24 @@ class Worker:
                 self.codec.origin.clear()
                 self.codec.storage_origin.clear()
                 self.codec.snapshots.clear()
+                self.codec.sent.clear()
+                self.observations.clear()
                 return self.begin(m["ex"])
             if op == "end":
                 hit = self.monitor.stop()
                 return {"reference": hit, "tampered": changed(self.snap.names)}
             if op == "quit":
                 return None
+            if op == "observe":
+                if m.get("kind") not in self.observers:
+                    raise ProtocolError(f"unknown observation {m.get('kind')!r}")
+                i = max(self.observations, default=0) + 1
+                self.observations[i] = self.observers[m["kind"]]()
+                return i
+            if op == "unobserve":
+                if m.get("i") not in self.observations:
+                    raise ProtocolError("no such observation")
+                return self.observations.pop(m["i"]).value
             target = lookup(m["h"])
             if op == "call":
                 return target(*decode(m["args"]), **decode(m["kwargs"]))
