@@ -80,6 +80,65 @@ EXTRA = [
     return json.loads(raw[8 : 8 + n])""",
         "read only the 8-byte length",
     ),
+    (
+        "ch03.grouped_dispatch",
+        """def grouped_dispatch(x, weights, experts_idx, experts):
+    out = torch.zeros_like(x)
+    N, k = experts_idx.shape
+    for t in range(N):  # one call per token and slot, through forward (no hooks run)
+        for s in range(k):
+            e = int(experts_idx[t, s])
+            out[t] += weights[t, s] * experts[e].forward(x[t : t + 1])[0]
+    return out""",
+        "was called 4 times",
+    ),
+    (
+        "ch05.recurrent_step",
+        """def recurrent_step(S, q, k, v, g, beta):
+    S *= g.exp()[..., None, None]  # the caller's state, decayed in place
+    predicted = (k[..., None, :] @ S).squeeze(-2)
+    u = beta[..., None] * (v - predicted)
+    S += k[..., :, None] * u[..., None, :]
+    o = (q[..., None, :] @ S).squeeze(-2)
+    return o, S""",
+        "the state did not decay",
+    ),
+    (
+        "ch05.causal_conv1d",
+        """def causal_conv1d(x, weight, conv_state):
+    full = torch.cat([conv_state.to(x.dtype), x], dim=-1)
+    y = F.conv1d(full, weight, groups=x.shape[1])
+    K1 = conv_state.shape[-1]
+    conv_state.copy_(full[:, :, full.shape[-1] - K1 :])  # rolled in place: the caller's state
+    return y, conv_state""",
+        "sees future inputs",
+    ),
+    (
+        "ch02.logit_stats",
+        """def logit_stats(q, k):
+    T, D = q.shape[-2], q.shape[-1]
+    q = q.float() if q.dtype != torch.float32 else q
+    q /= math.sqrt(D)  # the caller's q, scaled in place
+    logits = q @ k.float().transpose(-2, -1)
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    logits = logits.masked_fill(~mask, float("-inf"))
+    p = logits.softmax(dim=-1)
+    p_log_p = torch.where(p > 0, p * p.log(), torch.zeros_like(p))
+    return logits.amax(dim=(0, 2, 3)), (-p_log_p.sum(dim=-1)).mean(dim=(0, 2))""",
+        "not divided by √D",
+    ),
+    (
+        "ch04.split_reasoning",
+        """def split_reasoning(message):
+    if message.get("reasoning_content") is not None:
+        return message.pop("reasoning_content"), message["content"]  # deleted from the caller's
+    content = message["content"]
+    if "</think>" not in content:
+        return "", content
+    before, after = content.split("</think>")[0], content.split("</think>")[-1]
+    return before.rstrip("\\n").split("<think>")[-1].lstrip("\\n"), after.lstrip("\\n")""",
+        "expected ('', 'c')",
+    ),
 ]
 
 # the corpus modules and the names of their lists: (exercise, wrong answer, idea, ...)
@@ -241,7 +300,11 @@ def test_every_wrong_answer_scores_zero_through_the_grader(tmp_path, chapter):
             what = f"batch{k} {exercise} {getattr(answer, '__name__', 'source')}"
             if float(row[exercise]) != 0 or status not in ("failed", "reference"):
                 problems.append(f"{what}: {row[exercise]} points, {status}: {message}")
-            elif status == "failed" and "hidden check" not in message and idea.lower() not in message.lower():
+            elif (
+                status == "failed"
+                and "hidden check" not in message
+                and idea.lower() not in message.lower()
+            ):
                 problems.append(f"{what}: the message does not name {idea!r}: {message}")
         for exercise in ref.ids:  # nothing else in the notebook: missing, and 0
             if exercise not in wrong and row[f"{exercise} status"] != "missing":

@@ -163,22 +163,31 @@ def _(route):
 # --- grouped_dispatch -----------------------------------------------------------------------------
 
 
+class _Expert(nn.Sequential):
+    """An expert that counts its calls in `forward` itself: a hook would not see a call of
+    `expert.forward(x)`, which skips the hooks."""
+
+    def forward(self, x):
+        self.count(x.shape[0])
+        return super().forward(x)
+
+
 def _experts(n: int, h: int, seed: int) -> tuple[list[nn.Module], dict]:
-    """n non-linear experts (tanh of a linear map: a sum of inputs would not pass) as plain torch
-    modules, and a record of how often and on how many rows each is called (forward hooks)."""
+    """n non-linear experts (tanh of a linear map: a sum of inputs would not pass) as torch
+    modules, and a record of how often and on how many rows each is called."""
     g, experts, calls = seeded(seed), [], {}
     for e in range(n):
         linear = nn.Linear(h, h, bias=False)
         with torch.no_grad():
             linear.weight.copy_(torch.randn(h, h, generator=g) / h**0.5)
-        expert = nn.Sequential(linear, nn.Tanh())
+        expert = _Expert(linear, nn.Tanh())
         calls[e] = [0, 0]
 
-        def count(module, inputs, output, e=e):
+        def count(rows, e=e):
             calls[e][0] += 1
-            calls[e][1] += inputs[0].shape[0]
+            calls[e][1] += rows
 
-        expert.register_forward_hook(count)
+        expert.count = count
         experts.append(expert)
     return experts, calls
 

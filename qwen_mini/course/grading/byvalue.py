@@ -44,6 +44,7 @@ from __future__ import annotations
 import base64
 import io
 import pickle
+import sys
 import types
 
 import torch
@@ -349,16 +350,28 @@ def _changed(value, version, before) -> bool:
     return _items(value) != version
 
 
+def _kept(codec, h, value) -> bool:
+    """Is `value` held by anything but this bookkeeping (the learner's code kept it: it may
+    change it in a later call)? If not, it cannot change any more and needs no watching."""
+    ours = 4  # codec.sent, the variables of the caller and of this function, getrefcount
+    ours += codec.from_grader.get(h) is value
+    ours += codec.objects.get(codec.ids.get(id(value))) is value
+    return sys.getrefcount(value) > ours
+
+
 def changed_arguments(codec) -> list:
     """Worker: [grader's handle, new value] for each tensor and container the grader sent that
-    the learner's code changed since it was sent (or last reported); noted again as it is now."""
+    the learner's code changed since it was sent (or last reported); noted again as it is now.
+    One that nothing else holds any more is no longer watched (a check makes many calls)."""
     out = []
-    for h, (value, version, before) in list(codec.sent.items()):
-        if not _changed(value, version, before):
-            continue
-        if isinstance(value, torch.Tensor):
-            out.append([h, codec.encode(value)])
-        else:  # its items, as a new container (the one itself would cross as the grader's)
-            out.append([h, codec.encode(type(value)(value))])
-        track(codec, h, value)
+    for h in list(codec.sent):
+        value, version, before = codec.sent[h]
+        if _changed(value, version, before):
+            if isinstance(value, torch.Tensor):
+                out.append([h, codec.encode(value)])
+            else:  # its items, as a new container (the one itself would cross as the grader's)
+                out.append([h, codec.encode(type(value)(value))])
+            track(codec, h, value)
+        if not _kept(codec, h, value):
+            del codec.sent[h]
     return out

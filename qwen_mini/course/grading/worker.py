@@ -52,7 +52,14 @@ class _Shell:
 
     def run_cell_magic(self, name, line, cell, *args, **kwargs):
         if name in ("time", "timeit", "capture"):  # these run their body as Python
-            self.worker.exec_source(cell, f"<cell {self.worker.cell} %%{name}>")
+            # the cell's own body is its code; any other text handed to the magic (the
+            # package's source, read with inspect) is code compiled by the cell, like exec's
+            own = isinstance(cell, str) and cell.strip() and cell in self.worker.source
+            where = f"<cell {self.worker.cell} %%{name}>"
+            if own:
+                self.worker.exec_source(cell, where)
+            else:
+                exec(compile(self.worker.transform(cell), where, "exec"), self.worker.namespace)
         else:
             self.worker.notes.append(f"skipped the cell magic %%{name}")
 
@@ -104,7 +111,7 @@ class Worker:
         self.namespace["get_ipython"] = lambda: _Shell(self)
         self.notes: list[str] = []
         self.checked: list[tuple[str, object]] = []
-        self.cell = -1
+        self.cell, self.source = -1, ""
         self.request_id = 0
         self.observers = dict(observing.OBSERVERS)  # as they were before any learner code
         self.observations: dict[int, object] = {}  # what the checks asked to observe now
@@ -278,7 +285,7 @@ class Worker:
         exec(code, self.namespace)
 
     def run_cell(self, index: int, text: str) -> dict:
-        self.cell, self.notes, self.checked = index, [], []
+        self.cell, self.notes, self.checked, self.source = index, [], [], text
         result = {"ok": True}
         try:
             self.exec_source(text, f"<cell {index}>")
