@@ -225,6 +225,11 @@ def _expect_dispatch(dispatch, n, h, e, k, seed, what):
                 f"{what}: expert {j} was chosen by no token but was called: run only the "
                 "experts that received tokens"
             )
+        if j in chosen and not n_calls:
+            raise AssertionError(
+                f"{what}: expert {j} was chosen but never called: call experts[{j}] (the "
+                "module) on the rows of its tokens, not a function of its weights"
+            )
         if n_calls > 1:
             raise AssertionError(
                 f"{what}: expert {j} was called {n_calls} times; group its tokens and call it "

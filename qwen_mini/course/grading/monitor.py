@@ -1,6 +1,7 @@
 """Inside the sandbox: what each exercise's reference is made of, and a watch on which code runs
 while the grader checks an exercise, so that an answer that is the reference (called, wrapped,
-subclassed, copied, compiled again, run in a thread) is caught; and what "tampering" compares.
+subclassed, copied, compiled again with other flags or from its AST, run in a thread) is caught;
+and what "tampering" compares.
 
 Everything here is computed in the zygote, before any learner code runs, and kept by the worker.
 It runs in the learner's process, so it is a tripwire, not a wall: the comparisons that decide

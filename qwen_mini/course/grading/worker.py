@@ -54,7 +54,7 @@ class _Shell:
         if name in ("time", "timeit", "capture"):  # these run their body as Python
             # the cell's own body is its code; any other text handed to the magic (the
             # package's source, read with inspect) is code compiled by the cell, like exec's
-            own = isinstance(cell, str) and cell.strip() and cell in self.worker.source
+            own = isinstance(cell, str) and cell.strip() in self.worker.source
             where = f"<cell {self.worker.cell} %%{name}>"
             if own:
                 self.worker.exec_source(cell, where)
