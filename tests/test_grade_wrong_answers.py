@@ -259,7 +259,8 @@ def notebooks(cases, names: dict[str, str]) -> list[tuple[dict, list[tuple[str, 
 
 def _grade(folder: Path, chapter: int, files: list[Path]) -> dict[str, dict]:
     out = folder / "grades.csv"
-    argv = ["--chapter", str(chapter), "--jobs", "2", "--out", str(out)]
+    # a generous time limit: the verdicts are under test here, not the speed of a busy machine
+    argv = ["--chapter", str(chapter), "--jobs", "2", "--timeout", "120", "--out", str(out)]
     assert grade.main(argv + ["--reports", str(folder / "reports")] + [str(f) for f in files]) == 0
     with open(out, newline="") as f:
         return {Path(r["notebook"]).stem: r for r in csv.DictReader(f)}

@@ -117,17 +117,23 @@ def dumps(obj, codec, is_remote) -> str:
     return base64.b64encode(out.getvalue()).decode("ascii")
 
 
+def _entries(codec, report, what: str):
+    """(the grader's object, the encoded value) of each [handle, value] in a worker's report."""
+    if type(report) is not list:
+        raise ValueError(f"a malformed {what}")
+    for entry in report:
+        if type(entry) is not list or len(entry) != 2:
+            raise ValueError(f"a malformed {what}")
+        yield codec.lookup(entry[0]), entry[1]
+
+
 def apply_state(codec, states, decode) -> None:
     """The worker's report of the copies it holds, applied to the grader's originals."""
-    if type(states) is not list:
-        raise ValueError("a malformed state report")
-    for entry in states:
-        if type(entry) is not list or len(entry) != 2:
-            raise ValueError("a malformed state report")
-        obj, state = codec.lookup(entry[0]), decode(entry[1])
+    for obj, encoded in _entries(codec, states, "state report"):
+        state = decode(encoded)
         if type(state) is not dict:
             raise ValueError("a malformed state report")
-        handles = _tensor_handles(entry[1])
+        handles = _tensor_handles(encoded)
         if isinstance(obj, torch.nn.Module):
             for kind in ("params", "buffers"):
                 table = obj._parameters if kind == "params" else obj._buffers
@@ -205,12 +211,8 @@ def _tensor_handles(encoded) -> dict:
 def apply_arguments(codec, changes, decode) -> None:
     """What the learner's code did to the tensors and containers a check passed in, written into
     the grader's own: a tensor's new values in place, a container's new items."""
-    if type(changes) is not list:
-        raise ValueError("a malformed report of changed arguments")
-    for entry in changes:
-        if type(entry) is not list or len(entry) != 2:
-            raise ValueError("a malformed report of changed arguments")
-        original, new = codec.lookup(entry[0]), decode(entry[1])
+    for original, encoded in _entries(codec, changes, "report of changed arguments"):
+        new = decode(encoded)
         if isinstance(original, torch.Tensor):
             if type(new) is not torch.Tensor:
                 raise ValueError("a changed tensor that is not a tensor")
