@@ -20,6 +20,7 @@ import types
 # bound here, in the zygote: a submission that replaces `sys.setprofile` does not turn the watch off
 _setprofile = sys.setprofile
 _FUTURE_ANNOTATIONS = 0x1000000  # __future__.annotations.compiler_flag
+MIN_RECOMPILED_BYTES = 32  # bytecode of a recompiled variant that identifies its source
 
 BLOCKED_WHILE_CHECKED = (
     "sys.setprofile",
@@ -120,8 +121,14 @@ def recompiled(obj, earlier=()) -> set:
                         code = compile(text, "<copy>", "exec", flags, True, optimize)
                     except (SyntaxError, ValueError):
                         continue
-                    out.update(fingerprint(c) for c in _codes(code))
+                    out.update(fingerprint(c) for c in _codes(code) if _distinctive(c))
     return out
+
+
+def _distinctive(code: types.CodeType) -> bool:
+    """Long enough not to be a copy of anything else: a method whose docstring is stripped may be
+    `pass` or `return self.x`, like many functions of the standard library and of torch."""
+    return len(code.co_code) >= MIN_RECOMPILED_BYTES
 
 
 class Snapshot:
