@@ -560,6 +560,16 @@ def test_a_later_exercise_falls_back_to_the_package_piece(graded, name, status):
         ("s4_code_replace", "ch98.add_one"),
         ("s4_marshal", "ch98.add_one"),
         ("s4_exec_source", "ch98.add_one"),
+        # the package's source laundered: through a cell magic, compiled again with other
+        # flags, round-tripped through ast, under a cell's file name, from a reloaded module
+        ("s4_magic_source", "ch98.add_one"),
+        ("s4_optimize2", "ch98.add_one"),
+        ("s4_ast_roundtrip", "ch98.add_one"),
+        ("s4_ast_roundtrip", "ch98.Scale"),
+        ("s4_linecache", "ch98.add_one"),
+        ("s4_reload", "ch98.add_one"),
+        ("s4_reload", "ch98.add_two"),
+        ("s4_patch_one_call", "ch98.Scale"),
     ],
 )
 def test_the_package_reference_scores_zero_with_status_reference(graded, name, exercise):
@@ -581,6 +591,7 @@ def test_the_package_reference_scores_zero_with_status_reference(graded, name, e
         "s4_patches_while_checked",
         "s4_patches_checks",
         "s4_forges_results",
+        "s4_patch_one_call",
     ],
 )
 def test_a_blank_notebook_earns_nothing(graded, name):

@@ -12,7 +12,6 @@ import math
 import os
 import struct
 import tempfile
-import tracemalloc
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from qwen_mini.architectures import config_from_dict
 from qwen_mini.config import ASSETS, Config
 from qwen_mini.course.checking import between, case, mistake, named, randn, register
 from qwen_mini.course.lab import ch00 as lab
+from qwen_mini.course.observing import observe
 from qwen_mini.model import CausalLM
 
 register(
@@ -139,16 +139,11 @@ def _big_file(g):
 
 def _read_measured(read_safetensors_header, path):
     """The header, and whether reading it allocated less than a quarter of the data."""
-    tracing = tracemalloc.is_tracing()
-    if not tracing:
-        tracemalloc.start()
-    tracemalloc.reset_peak()
     try:
-        got = _read(read_safetensors_header, path)
-        peak = tracemalloc.get_traced_memory()[1]
+        with observe("peak_memory") as seen:  # made where the code runs (when graded: there)
+            got = _read(read_safetensors_header, path)
+        peak = seen.value
     finally:
-        if not tracing:
-            tracemalloc.stop()
         path.unlink()
     return {
         "the header": got,

@@ -35,6 +35,7 @@ from qwen_mini.course.checking import (
     seeded,
 )
 from qwen_mini.course.lab import ch01 as lab
+from qwen_mini.course.observing import observe
 from qwen_mini.model import CausalLM
 from qwen_mini.norms import RMSNorm
 from qwen_mini.rope import apply_rope, rope_cos_sin
@@ -206,31 +207,13 @@ case(
 )
 
 
-class _SoftmaxDtypes(torch.overrides.TorchFunctionMode):
-    """Records the dtype each softmax computes in (its input's, or the dtype= it was asked for):
-    on a CPU a bfloat16 softmax may round like a float32 one, so the values cannot tell."""
-
-    def __init__(self):
-        super().__init__()
-        self.dtypes = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if "softmax" in getattr(func, "__name__", ""):
-            x = args[0] if args else kwargs.get("input")
-            wanted = kwargs.get("dtype", args[2] if len(args) > 2 else None)
-            dtype = wanted if isinstance(wanted, torch.dtype) else getattr(x, "dtype", None)
-            self.dtypes.append(dtype)
-        return func(*args, **kwargs)
-
-
 def _watched_softmax(attention_weights, q, k, mask):
-    with _SoftmaxDtypes() as seen:
+    with observe("softmax_dtypes") as seen:  # made where the code runs (when graded: there)
         w = attention_weights(q, k, mask)
     return {
         "weights [..., T_q, T_k] (cast back to q.dtype)": w,
         "a softmax computed in another dtype than float32": any(
-            d != torch.float32 for d in seen.dtypes
+            d != torch.float32 for d in seen.value
         ),
     }
 

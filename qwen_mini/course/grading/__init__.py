@@ -26,7 +26,12 @@ The other direction is by value (`byvalue.py`): what a check hands to the learne
 modules, a model to fill, fakes) is pickled here and unpickled in the sandbox, so the learner's
 code gets real objects (`add_module` accepts them, loops iterate them); handed back they are the
 grader's own objects again, and what the learner's code did to them comes back as plain data.
-Tensors from the sandbox keep their storage (views, `data_ptr()` identity).
+Tensors from the sandbox keep their storage (views, `data_ptr()` identity). The tensors, lists,
+dicts and sets a check passes as data come back as the learner's code left them (written in
+place, keys deleted), and a check that observes how the code runs (the memory it allocates, the
+dtype a softmax computes in) asks for the observation by name (`qwen_mini.course.observing`),
+which the sandbox makes around the learner's calls: a check gives the same verdict on the same
+code in the notebook and in the grader.
 """
 
 from .cli import main

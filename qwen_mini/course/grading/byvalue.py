@@ -25,6 +25,15 @@ grader: what comes back is plain data, see `protocol.py`):
   and a stand-in for one of the learner's objects put directly into an attribute (only inside a
   list, tuple or dict: a record, which checks read as data).
 
+The tensors, lists, dicts and sets a check passes as plain data come back too (`track`,
+`changed_arguments`, `apply_arguments`): the worker notes each as it arrives (a tensor's bytes, a
+container's items), and after every answer reports those the learner's code changed (written in
+place, items added, removed or replaced, at any depth); the grader writes that into its own
+objects, so a check that the code leaves its input alone, or one that computes its expected
+value from the input after the call, sees what it would see in the notebook. A container the
+grader sent, handed back, is the grader's own again (`is` holds). Refused: writing in place into
+a Parameter the check passed (its values are what the check computes expected values with).
+
 What this does not guarantee: a check that hands a package state to the learner's code and then
 computes expected values with it sees the tensors the learner's code wrote there, as in the
 notebook; so do a check's records. Objects that cannot be pickled cross as handles, as before.
@@ -35,6 +44,7 @@ from __future__ import annotations
 import base64
 import io
 import pickle
+import sys
 import types
 
 import torch
@@ -107,16 +117,23 @@ def dumps(obj, codec, is_remote) -> str:
     return base64.b64encode(out.getvalue()).decode("ascii")
 
 
+def _entries(codec, report, what: str):
+    """(the grader's object, the encoded value) of each [handle, value] in a worker's report."""
+    if type(report) is not list:
+        raise ValueError(f"a malformed {what}")
+    for entry in report:
+        if type(entry) is not list or len(entry) != 2:
+            raise ValueError(f"a malformed {what}")
+        yield codec.lookup(entry[0]), entry[1]
+
+
 def apply_state(codec, states, decode) -> None:
     """The worker's report of the copies it holds, applied to the grader's originals."""
-    if type(states) is not list:
-        raise ValueError("a malformed state report")
-    for entry in states:
-        if type(entry) is not list or len(entry) != 2:
-            raise ValueError("a malformed state report")
-        obj, state = codec.lookup(entry[0]), decode(entry[1])
+    for obj, encoded in _entries(codec, states, "state report"):
+        state = decode(encoded)
         if type(state) is not dict:
             raise ValueError("a malformed state report")
+        handles = _tensor_handles(encoded)
         if isinstance(obj, torch.nn.Module):
             for kind in ("params", "buffers"):
                 table = obj._parameters if kind == "params" else obj._buffers
@@ -143,7 +160,9 @@ def apply_state(codec, states, decode) -> None:
                             "weights are what the check computes expected values with)"
                         )
                     if kind == "params" and t is not None and type(t) is not torch.nn.Parameter:
-                        t = codec.parameter(t)
+                        # one Parameter here per Parameter there: two that share a tensor
+                        # without being tied stay two (a head not tied again after loading)
+                        t = codec.parameter(t, handles.get((kind, name)))
                     table[name] = t
         attrs = state.get("attrs") or {}
         target = getattr(obj, "__dict__", None)
@@ -168,6 +187,58 @@ def apply_state(codec, states, decode) -> None:
                     "passed in"
                 )
             target[name] = value
+
+
+def _tensor_handles(encoded) -> dict:
+    """{(kind, name): the worker's handle} of the parameters and buffers in an encoded state."""
+    out = {}
+    if type(encoded) is not dict or type(encoded.get("v")) is not list:
+        return out
+    for pair in encoded["v"]:
+        if type(pair) is not list or len(pair) != 2 or pair[0] not in ("params", "buffers"):
+            continue
+        table = pair[1]
+        if type(table) is not dict or type(table.get("v")) is not list:
+            continue
+        for item in table["v"]:
+            if type(item) is list and len(item) == 2 and type(item[1]) is dict:
+                h = item[1].get("h")
+                if type(item[0]) is str and type(h) is int:
+                    out[(pair[0], item[0])] = h
+    return out
+
+
+def apply_arguments(codec, changes, decode) -> None:
+    """What the learner's code did to the tensors and containers a check passed in, written into
+    the grader's own: a tensor's new values in place, a container's new items."""
+    for original, encoded in _entries(codec, changes, "report of changed arguments"):
+        new = decode(encoded)
+        if isinstance(original, torch.Tensor):
+            if type(new) is not torch.Tensor:
+                raise ValueError("a changed tensor that is not a tensor")
+            if new.shape == original.shape and torch.equal(new, original.detach()):
+                continue  # written with the values it had
+            if isinstance(original, torch.nn.Parameter):
+                raise AssertionError(
+                    "your code wrote in place into a parameter the check passed in (its values "
+                    "are what the check computes expected values with)"
+                )
+            if new.shape != original.shape or new.dtype != original.dtype:
+                raise AssertionError(
+                    f"your code changed the shape or dtype of a tensor the check passed in, in "
+                    f"place (to {list(new.shape)} {new.dtype})"
+                )
+            with torch.no_grad():
+                original.copy_(new)
+        elif type(original) is list and type(new) is list:
+            original[:] = new
+        elif (isinstance(original, dict) and type(new) is dict) or (
+            type(original) is set and type(new) is set
+        ):
+            original.clear()
+            original.update(new)
+        else:
+            raise ValueError("a malformed report of changed arguments")
 
 
 # --- the worker's side ---------------------------------------------------------------------------
@@ -248,4 +319,61 @@ def state_of(obj, before: dict | None = None) -> dict:
             and not callable(v)
             and before.get(k) != _sig(v)
         }
+    return out
+
+
+TRACKED_BYTES_MAX = 64 * 2**20  # a bigger tensor is compared by its version counter only
+
+
+def track(codec, h, value) -> None:
+    """Worker: `value` (a tensor, list, dict or set) arrived as the grader's object `h`; note it
+    as it is now, to tell later what the learner's code changed."""
+    if isinstance(value, torch.Tensor):
+        small = value.numel() * value.element_size() <= TRACKED_BYTES_MAX
+        codec.sent[h] = (value, value._version, value.detach().clone() if small else None)
+    else:
+        codec.sent[h] = (value, _items(value), None)
+        codec.origin[id(value)] = h
+
+
+def _items(value) -> tuple:
+    if type(value) is dict:
+        return tuple((id(k), id(x)) for k, x in value.items())
+    if type(value) is set:
+        return tuple(sorted(id(x) for x in value))
+    return tuple(id(x) for x in value)
+
+
+def _changed(value, version, before) -> bool:
+    if isinstance(value, torch.Tensor):
+        if before is None:  # too big to keep a copy of: written in place, or not
+            return value._version != version
+        return not (value.shape == before.shape and torch.equal(value.detach(), before))
+    return _items(value) != version
+
+
+def _kept(codec, h, value) -> bool:
+    """Is `value` held by anything but this bookkeeping (the learner's code kept it: it may
+    change it in a later call)? If not, it cannot change any more and needs no watching."""
+    ours = 4  # codec.sent, the variables of the caller and of this function, getrefcount
+    ours += codec.from_grader.get(h) is value
+    ours += codec.objects.get(codec.ids.get(id(value))) is value
+    return sys.getrefcount(value) > ours
+
+
+def changed_arguments(codec) -> list:
+    """Worker: [grader's handle, new value] for each tensor and container the grader sent that
+    the learner's code changed since it was sent (or last reported); noted again as it is now.
+    One that nothing else holds any more is no longer watched (a check makes many calls)."""
+    out = []
+    for h in list(codec.sent):
+        value, version, before = codec.sent[h]
+        if _changed(value, version, before):
+            if isinstance(value, torch.Tensor):
+                out.append([h, codec.encode(value)])
+            else:  # its items, as a new container (the one itself would cross as the grader's)
+                out.append([h, codec.encode(type(value)(value))])
+            track(codec, h, value)
+        if not _kept(codec, h, value):
+            del codec.sent[h]
     return out

@@ -1,6 +1,7 @@
 """Inside the sandbox: what each exercise's reference is made of, and a watch on which code runs
 while the grader checks an exercise, so that an answer that is the reference (called, wrapped,
-subclassed, copied, compiled again, run in a thread) is caught; and what "tampering" compares.
+subclassed, copied, compiled again with other flags or from its AST, run in a thread) is caught;
+and what "tampering" compares.
 
 Everything here is computed in the zygote, before any learner code runs, and kept by the worker.
 It runs in the learner's process, so it is a tripwire, not a wall: the comparisons that decide
@@ -9,9 +10,17 @@ points never run here (they run in the grader, see `session.py`).
 
 from __future__ import annotations
 
+import ast
 import builtins
+import inspect
 import sys
+import textwrap
 import types
+
+# bound here, in the zygote: a submission that replaces `sys.setprofile` does not turn the watch off
+_setprofile = sys.setprofile
+_FUTURE_ANNOTATIONS = 0x1000000  # __future__.annotations.compiler_flag
+MIN_RECOMPILED_BYTES = 32  # bytecode of a recompiled variant that identifies its source
 
 BLOCKED_WHILE_CHECKED = (
     "sys.setprofile",
@@ -79,6 +88,49 @@ def fingerprint(code: types.CodeType) -> tuple:
     return (code.co_code, code.co_names, code.co_varnames, consts)
 
 
+def _sources(obj, earlier=()) -> list[str]:
+    """The source of a reference and of the package classes it inherits from (not `earlier`)."""
+    parts = [obj]
+    if isinstance(obj, type):
+        parts = [k for k in obj.__mro__ if k is obj or k not in earlier]
+        parts = [k for k in parts if getattr(k, "__module__", "").split(".")[0] == "qwen_mini"]
+    out = []
+    for part in parts:
+        try:
+            out.append(textwrap.dedent(inspect.getsource(part)))
+        except (OSError, TypeError):
+            pass
+    return out
+
+
+def recompiled(obj, earlier=()) -> set:
+    """The fingerprints of a reference's source compiled again in every way a submission can
+    compile it: with or without `from __future__ import annotations`, with `optimize` 0, 1 or
+    2 (no asserts, no docstrings), from source or from its AST parsed and unparsed again."""
+    out = set()
+    for source in _sources(obj, earlier):
+        try:
+            tree = ast.parse(source)
+            texts = {source, ast.unparse(tree)}
+        except (SyntaxError, ValueError, RecursionError):
+            continue
+        for text in texts:
+            for flags in (0, _FUTURE_ANNOTATIONS):
+                for optimize in (0, 1, 2):
+                    try:
+                        code = compile(text, "<copy>", "exec", flags, True, optimize)
+                    except (SyntaxError, ValueError):
+                        continue
+                    out.update(fingerprint(c) for c in _codes(code) if _distinctive(c))
+    return out
+
+
+def _distinctive(code: types.CodeType) -> bool:
+    """Long enough not to be a copy of anything else: a method whose docstring is stripped may be
+    `pass` or `return self.x`, like many functions of the standard library and of torch."""
+    return len(code.co_code) >= MIN_RECOMPILED_BYTES
+
+
 class Snapshot:
     """Per exercise: the reference object, the ids of its code objects and their fingerprints;
     the ids of every code object of the package; what the checked namespaces hold."""
@@ -93,7 +145,9 @@ class Snapshot:
             codes = _codes(e.reference, earlier=set(earlier) - {e.reference})
             self.keep += codes
             self.code_ids[e.id] = {id(c) for c in codes}
-            self.fingerprints[e.id] = {fingerprint(c) for c in codes}
+            self.fingerprints[e.id] = {fingerprint(c) for c in codes} | recompiled(
+                e.reference, set(earlier) - {e.reference}
+            )
         self.package_ids = set()
         for name, module in list(sys.modules.items()):
             if name.split(".")[0] == "qwen_mini" and module is not None:
@@ -183,7 +237,7 @@ class Monitor:
 
     def enter_thread(self) -> None:
         """First thing in every thread the submission starts: threads are watched too."""
-        sys.setprofile(self.profile)
+        _setprofile(self.profile)
 
     def watch_threads(self) -> None:
         import _thread
@@ -202,9 +256,9 @@ class Monitor:
 
     def start(self, exercise: str) -> None:
         self.exercise, self.hit = exercise, ""
-        sys.setprofile(self.profile)
+        _setprofile(self.profile)
 
     def stop(self) -> str:
-        sys.setprofile(None)
+        _setprofile(None)
         self.exercise = None
         return self.hit

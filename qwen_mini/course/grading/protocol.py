@@ -62,6 +62,7 @@ DTYPES = {
         torch.bool,
     )
 }
+MUTABLE = (list, dict, set, torch.Tensor)  # what a check passes that the learner's code may change
 MAX_DEPTH = 32  # nesting of containers in one value
 SHARED_STORAGE_MAX = 8 * 2**20  # bytes: a bigger storage crosses as a plain copy of the tensor
 SHARED_TOTAL_MAX = 256 * 2**20  # bytes of storages one worker keeps alive to keep their ids
@@ -144,6 +145,7 @@ class Codec:
         self.storage_origin: dict[int, int] = {}  # worker: data_ptr -> grader tensor handle
         self.tensor_cache: dict[tuple, torch.Tensor] = {}  # grader: one tensor per worker view
         self.snapshots: dict[int, dict] = {}  # worker: grader handle -> its attributes as sent
+        self.sent: dict[int, tuple] = {}  # worker: grader handle -> a tensor or container as sent
 
     def adopt(self, h, obj) -> None:
         """Worker: `obj` is the copy of the grader's object `h` (by value or as a tensor)."""
@@ -153,12 +155,14 @@ class Codec:
             with _suppress():
                 self.storage_origin[obj.untyped_storage().data_ptr()] = h
 
-    def parameter(self, t: torch.Tensor) -> torch.nn.Parameter:
-        """Grader: one Parameter per received tensor (a tied weight stays one object)."""
-        if id(t) not in self.params:
-            self.params[id(t)] = torch.nn.Parameter(t, requires_grad=t.requires_grad)
+    def parameter(self, t: torch.Tensor, worker_handle=None) -> torch.nn.Parameter:
+        """Grader: one Parameter per Parameter of the worker's (`worker_handle`), else per
+        received tensor: a tied weight stays one object, two untied ones stay two."""
+        key = ("w", worker_handle) if type(worker_handle) is int else id(t)
+        if key not in self.params:
+            self.params[key] = torch.nn.Parameter(t, requires_grad=t.requires_grad)
             self.objects[self.handle(t)] = t  # kept alive: its id stays its own
-        return self.params[id(t)]
+        return self.params[key]
 
     def handle(self, obj) -> int:
         h = self.ids.get(id(obj))
@@ -184,7 +188,8 @@ class Codec:
             return self.ref(value.obj)
         if self.side == "w" and id(value) in self.origin and not isinstance(value, torch.Tensor):
             h = self.origin[id(value)]
-            if self.from_grader.get(h) is value:  # the grader's own object, back to it
+            if self.from_grader.get(h) is value or self.sent.get(h, (None,))[0] is value:
+                # the grader's own object (or list, dict, set), back to it
                 return {"t": "ref", "side": "p", "h": h, "type": _name(t)[:100]}
         if t is str and self.path_hook and value.startswith("/") and os.path.isfile(value):
             return self.path_hook(value)  # a file of the grader's, named in a string
@@ -197,14 +202,20 @@ class Codec:
                 else {"t": "float", "v": repr(value)}
             )
         if t in (list, tuple, set, frozenset):
-            return {"t": t.__name__, "v": [self.encode(x, depth + 1) for x in value]}
+            return self._mutable(
+                value, {"t": t.__name__, "v": [self.encode(x, depth + 1) for x in value]}
+            )
         if t is dict or t is collections.OrderedDict:
-            return {
-                "t": "dict",
-                "v": [
-                    [self.encode(k, depth + 1), self.encode(v, depth + 1)] for k, v in value.items()
-                ],
-            }
+            return self._mutable(
+                value,
+                {
+                    "t": "dict",
+                    "v": [
+                        [self.encode(k, depth + 1), self.encode(v, depth + 1)]
+                        for k, v in value.items()
+                    ],
+                },
+            )
         if t is torch.Tensor or t is torch.nn.Parameter:
             return self._tensor(value)
         if t is torch.dtype:
@@ -245,6 +256,12 @@ class Codec:
         if not self.export_ok(value):
             raise TypeError(f"a {_name(t)} cannot be passed to the other side")
         return self.ref(value)
+
+    def _mutable(self, value, out: dict) -> dict:
+        """Grader: a list, dict or set the learner's code may change: the worker says how."""
+        if self.side == "p" and type(value) in MUTABLE:
+            out["ph"] = self.handle(value)
+        return out
 
     def ref(self, obj) -> dict:
         name = getattr(obj if isinstance(obj, type) else type(obj), "__name__", "object")
@@ -323,10 +340,12 @@ class Codec:
             items = [self.decode(x, depth + 1) for x in v]
             if t in ("set", "frozenset"):
                 try:
-                    return set(items) if t == "set" else frozenset(items)
+                    items = set(items) if t == "set" else frozenset(items)
                 except TypeError:
                     raise ProtocolError("an unhashable set element") from None
-            return items if t == "list" else tuple(items)
+            elif t == "tuple":
+                items = tuple(items)
+            return self._arrived(value, items)
         if t == "dict":
             _need(type(v) is list and all(type(p) is list and len(p) == 2 for p in v), value)
             out = {}
@@ -336,7 +355,7 @@ class Codec:
                     out[key] = self.decode(x, depth + 1)
                 except TypeError:
                     raise ProtocolError("an unhashable dict key") from None
-            return out
+            return self._arrived(value, out)
         if t == "float":
             _need(v in ("nan", "inf", "-inf"), value)
             return float(v)
@@ -383,6 +402,14 @@ class Codec:
             return self._decode_object(t, value, depth)
         raise ProtocolError(f"unknown value type {t!r}")
 
+    def _arrived(self, value: dict, obj):
+        """Worker: a tensor, list, dict or set of the grader's: noted, to report its changes."""
+        if self.side == "w" and type(value.get("ph")) is int and type(obj) in MUTABLE:
+            from . import byvalue
+
+            byvalue.track(self, value["ph"], obj)
+        return obj
+
     def _decode_tensor(self, value: dict) -> torch.Tensor:
         if "sid" in value and self.side == "p":
             tensor = self._decode_view(value)
@@ -395,7 +422,7 @@ class Codec:
         if "h" in value:
             _need(type(value["h"]) is int, value)
             self.mirrors.append((value["h"], tensor, tensor._version))
-        return tensor
+        return self._arrived(value, tensor)
 
     def _decode_view(self, value: dict) -> torch.Tensor:
         """A tensor over a storage of the worker's: the grader's buffer for that storage, its

@@ -450,9 +450,12 @@ class Connection:
             if reply.get("id") != rid:
                 raise BadMessage("an answer to a question not asked")
             try:
-                if "state" in reply and message["op"] in byvalue.STATE_OPS:
+                if message["op"] in byvalue.STATE_OPS:
                     # what the learner's code did to the objects the check passed in
-                    byvalue.apply_state(self.codec, reply["state"], self.codec.decode)
+                    if "args" in reply:
+                        byvalue.apply_arguments(self.codec, reply["args"], self.codec.decode)
+                    if "state" in reply:
+                        byvalue.apply_state(self.codec, reply["state"], self.codec.decode)
                 if "raise" in reply:
                     raise _learner_exception(reply["raise"])
                 if "re" not in reply:

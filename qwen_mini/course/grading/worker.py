@@ -34,6 +34,7 @@ import traceback
 import types
 from pathlib import Path
 
+from .. import observing
 from . import byvalue, isolation, protocol
 from .monitor import Monitor, Snapshot, changed
 from .protocol import Codec, Handle, ProtocolError
@@ -62,7 +63,14 @@ class _Shell:
 
     def run_cell_magic(self, name, line, cell, *args, **kwargs):
         if name in ("time", "timeit", "capture"):  # these run their body as Python
-            self.worker.exec_source(cell, f"<cell {self.worker.cell} %%{name}>")
+            # the cell's own body is its code; any other text handed to the magic (the
+            # package's source, read with inspect) is code compiled by the cell, like exec's
+            own = isinstance(cell, str) and cell.strip() in self.worker.source
+            where = f"<cell {self.worker.cell} %%{name}>"
+            if own:
+                self.worker.exec_source(cell, where)
+            else:
+                exec(compile(self.worker.transform(cell), where, "exec"), self.worker.namespace)
         else:
             self.worker.notes.append(f"skipped the cell magic %%{name}")
 
@@ -114,8 +122,11 @@ class Worker:
         self.namespace["get_ipython"] = lambda: _Shell(self)
         self.notes: list[str] = []
         self.checked: list[tuple[str, object]] = []
-        self.cell = -1
+        self.cell, self.source = -1, ""
         self.request_id = 0
+        self.observers = dict(observing.OBSERVERS)  # as they were before any learner code
+        self.observations: dict[int, object] = {}  # what the checks asked to observe now
+        self.observing = False
 
     # the learner's check() and use(): grading happens in the grader
 
@@ -157,27 +168,55 @@ class Worker:
                 return None
 
     def answer(self, message: dict) -> None:
-        import torch
 
         try:
-            result = {"re": self.codec.encode(self.do(message))}
+            with self.observed(message.get("op")):
+                value = self.do(message)
+            result = {"re": self.codec.encode(value)}
         except ProtocolError:
             raise
         except BaseException as e:  # the learner's exception, sent as a description
             result = {"raise": {"type": _type_name(e), "msg": _text(e)}}
-        copies = self.codec.from_grader
-        if message.get("op") in byvalue.STATE_OPS and any(
-            not isinstance(obj, torch.Tensor) for obj in copies.values()
-        ):
+        if message.get("op") in byvalue.STATE_OPS:
             try:  # what the learner's code did to the objects the check passed in
-                result["state"] = [
-                    [h, self.codec.encode(byvalue.state_of(obj, self.codec.snapshots.get(h)))]
-                    for h, obj in list(copies.items())
-                    if not isinstance(obj, torch.Tensor)
-                ]
+                result.update(self.changes())
             except BaseException as e:
                 result = {"raise": {"type": _type_name(e), "msg": _text(e)}}
         protocol.send(self.sock, dict(result, id=message.get("id")))
+
+    @contextlib.contextmanager
+    def observed(self, op):
+        """A call of the learner's code, inside the observations a check asked for (once: not
+        again in the calls the grader makes back while it runs)."""
+        if op not in byvalue.STATE_OPS or not self.observations or self.observing:
+            yield
+            return
+        self.observing = True
+        try:
+            with contextlib.ExitStack() as stack:
+                for seen in self.observations.values():
+                    stack.enter_context(seen.around())
+                yield
+        finally:
+            self.observing = False
+
+    def changes(self) -> dict:
+        """The state of the grader's objects this process holds, as the learner's code left
+        them: by-value copies ("state"), tensors and containers passed as data ("args")."""
+        import torch
+
+        out = {}
+        copies = self.codec.from_grader
+        if any(not isinstance(obj, torch.Tensor) for obj in copies.values()):
+            out["state"] = [
+                [h, self.codec.encode(byvalue.state_of(obj, self.codec.snapshots.get(h)))]
+                for h, obj in list(copies.items())
+                if not isinstance(obj, torch.Tensor)
+            ]
+        changed = byvalue.changed_arguments(self.codec)
+        if changed:
+            out["args"] = changed
+        return out
 
     def do(self, m: dict):
         import torch
@@ -204,12 +243,24 @@ class Worker:
                 self.codec.origin.clear()
                 self.codec.storage_origin.clear()
                 self.codec.snapshots.clear()
+                self.codec.sent.clear()
+                self.observations.clear()
                 return self.begin(m["ex"])
             if op == "end":
                 hit = self.monitor.stop()
                 return {"reference": hit, "tampered": changed(self.snap.names)}
             if op == "quit":
                 return None
+            if op == "observe":
+                if m.get("kind") not in self.observers:
+                    raise ProtocolError(f"unknown observation {m.get('kind')!r}")
+                i = max(self.observations, default=0) + 1
+                self.observations[i] = self.observers[m["kind"]]()
+                return i
+            if op == "unobserve":
+                if m.get("i") not in self.observations:
+                    raise ProtocolError("no such observation")
+                return self.observations.pop(m["i"]).value
             target = lookup(m["h"])
             if op == "call":
                 return target(*decode(m["args"]), **decode(m["kwargs"]))
@@ -245,7 +296,7 @@ class Worker:
         exec(code, self.namespace)
 
     def run_cell(self, index: int, text: str) -> dict:
-        self.cell, self.notes, self.checked = index, [], []
+        self.cell, self.notes, self.checked, self.source = index, [], [], text
         result = {"ok": True}
         try:
             self.exec_source(text, f"<cell {index}>")

@@ -1,0 +1,114 @@
+"""Observations of HOW the code under test runs, made where it runs.
+
+Most checks look at what the learner's code returns. A few look at how it runs: the memory it
+allocates (`read_safetensors_header` reads the header, not the file), the dtype each softmax
+computes in. In the notebook that is a context manager around the call. When graded, the checks
+run in the grader and the learner's code in a sandbox: an observation made in the grader would
+see the grader, not the code. So a check asks for one by name::
+
+    with observe("softmax_dtypes") as seen:
+        w = attention_weights(q, k, mask)
+    seen.value  # [torch.float32, ...]
+
+and the grader has it made in the sandbox, around each call of the learner's code inside the
+block, and sent back as plain data (`sandboxed`). The observers are defined here once, for both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tracemalloc
+
+import torch
+
+
+class SoftmaxDtypes(torch.overrides.TorchFunctionMode):
+    """Records the dtype each softmax computes in (its input's, or the dtype= it was asked for)."""
+
+    def __init__(self):
+        super().__init__()
+        self.value = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "softmax" in getattr(func, "__name__", ""):
+            x = args[0] if args else kwargs.get("input")
+            wanted = kwargs.get("dtype", args[2] if len(args) > 2 else None)
+            dtype = wanted if isinstance(wanted, torch.dtype) else getattr(x, "dtype", None)
+            self.value.append(dtype)
+        return func(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def around(self):
+        with self:
+            yield
+
+
+class PeakMemory:
+    """The most memory (bytes, as tracemalloc counts Python allocations) one call allocated."""
+
+    def __init__(self):
+        self.value = 0
+
+    @contextlib.contextmanager
+    def around(self):
+        was_tracing = tracemalloc.is_tracing()
+        if not was_tracing:
+            tracemalloc.start()
+        tracemalloc.reset_peak()
+        try:
+            yield
+        finally:
+            self.value = max(self.value, tracemalloc.get_traced_memory()[1])
+            if not was_tracing:
+                tracemalloc.stop()
+
+
+OBSERVERS = {"softmax_dtypes": SoftmaxDtypes, "peak_memory": PeakMemory}
+
+_sandbox = None  # while the grader runs checks: kind -> a context manager observing there
+
+
+def new(kind: str):
+    if kind not in OBSERVERS:
+        raise KeyError(f"unknown observation {kind!r} (known: {', '.join(OBSERVERS)})")
+    return OBSERVERS[kind]()
+
+
+@contextlib.contextmanager
+def observe(kind: str):
+    """Observe how the code called inside the block runs; `.value` holds what was seen."""
+    if _sandbox is not None:
+        with _sandbox(kind) as seen:
+            yield seen
+        return
+    seen = new(kind)
+    with seen.around():
+        yield seen
+
+
+class _Seen:
+    value = None
+
+
+@contextlib.contextmanager
+def sandboxed(request):
+    """The grader's side: while this runs, `observe` has the sandbox make its observations
+    (`request` sends one of the worker's operations and returns its answer)."""
+    global _sandbox
+
+    @contextlib.contextmanager
+    def remote(kind: str):
+        new(kind)  # an unknown kind fails here, as in the notebook
+        seen = _Seen()
+        i = request({"op": "observe", "kind": kind})
+        try:
+            yield seen
+        finally:
+            seen.value = request({"op": "unobserve", "i": i})
+
+    previous, _sandbox = _sandbox, remote
+    try:
+        yield
+    finally:
+        _sandbox = previous

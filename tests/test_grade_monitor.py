@@ -1,0 +1,40 @@
+"""The reference watch: a reference's source compiled again in any way (optimize levels, with or
+without `from __future__ import annotations`, through ast) is recognised, and nothing else is:
+no function of torch, the standard library or IPython looks like a copy of a reference."""
+
+import gc
+import inspect
+import types
+
+from qwen_mini.course.checking import exercises
+from qwen_mini.course.grading.monitor import Snapshot, _codes, fingerprint
+from qwen_mini.course.grading.worker import _earlier_classes
+
+CHAPTERS = [f"ch{n:02d}" for n in range(6)]
+
+
+def test_recompiled_copies_of_a_reference_are_recognised():
+    from qwen_mini import rope
+
+    snap = Snapshot(exercises("ch00"))
+    source = inspect.getsource(rope.rope_cos_sin)
+    for optimize in (0, 1, 2):
+        for flags in (0, 0x1000000):  # __future__.annotations
+            namespace = {"torch": __import__("torch")}
+            exec(compile(source, "<cell 1>", "exec", flags, True, optimize), namespace)
+            code = namespace["rope_cos_sin"].__code__
+            assert fingerprint(code) in snap.fingerprints["ch00.rope_cos_sin"], (optimize, flags)
+
+
+def test_no_foreign_function_looks_like_a_reference():
+    snaps = {ch: Snapshot(exercises(ch), earlier=_earlier_classes(ch)) for ch in CHAPTERS}
+    foreign = {}
+    for obj in gc.get_objects():
+        module = getattr(obj, "__module__", None) or ""
+        if isinstance(obj, types.FunctionType) and not module.startswith("qwen_mini"):
+            for code in _codes(obj.__code__):
+                foreign.setdefault(fingerprint(code), code.co_qualname)
+    assert len(foreign) > 5000  # torch, the standard library, IPython
+    for snap in snaps.values():
+        for exercise, prints in snap.fingerprints.items():
+            assert not [foreign[f] for f in prints if f in foreign], exercise

@@ -1,0 +1,311 @@
+"""Every wrong answer of the corpora, graded through the real grader: the same verdict as in the
+notebook (0 on that exercise), and nothing else in the notebook changes.
+
+A check runs in the notebook next to the learner's code, and in the grader across a process
+boundary (the learner's code in a sandbox). Whatever the check observes must look the same from
+both: a tensor changed in place, a dict with keys deleted, a head not tied again, the memory a
+call allocates, the dtype a softmax computes in. So every wrong answer the corpora hold is
+graded here: the wrong answers are batched into a few notebooks per chapter (notebook k holds
+the k-th wrong answer of every exercise), one grading run per chapter.
+
+The corpus is a list of (exercise id, wrong answer, idea): a wrong answer is either an object (a
+function or class defined at module level of some module, or reachable from one through its
+lists, tuples and dicts: the notebook runs that module's source and takes the object from it) or
+notebook source that defines the exercise's name. `corpus()` reads the chapters' catalogues of
+mistakes, chapter 1's remaining corpus (tests/test_wrong_answers_ch01.py) and EXTRA.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import inspect
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from qwen_mini.course.checking import catalogue, run_checks
+from qwen_mini.course.grading import cli as grade
+from qwen_mini.course.grading.plan import load_reference
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+
+# Wrong answers of the kinds the grader could not see before (what the code does to its input,
+# how it runs), written as a learner would, as notebook source defining the exercise's name.
+EXTRA = [
+    (
+        "ch00.rms_norm",
+        """class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        dtype = x.dtype
+        if x.dtype == torch.float32:
+            x *= torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # the caller's x
+        else:
+            x = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)""",
+        "RMSNorm(2, eps=0)([3, 4])",  # the check's expected value, from x after the call
+    ),
+    (
+        "ch00.rotate_half",
+        """def rotate_half(x):
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d].clone(), x[..., d:].clone()
+    x[..., :d], x[..., d:] = -x2, x1
+    return x""",
+        "in place",
+    ),
+    (
+        "ch01.attention_weights",
+        """def attention_weights(q, k, mask):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1).to(q.dtype)  # softmax in q's dtype""",
+        "softmax in float32",
+    ),
+    (
+        "ch00.read_safetensors_header",
+        """def read_safetensors_header(path):
+    raw = Path(path).read_bytes()  # the whole file
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + n])""",
+        "read only the 8-byte length",
+    ),
+    (
+        "ch03.grouped_dispatch",
+        """def grouped_dispatch(x, weights, experts_idx, experts):
+    out = torch.zeros_like(x)
+    N, k = experts_idx.shape
+    for t in range(N):  # one call per token and slot, through forward (no hooks run)
+        for s in range(k):
+            e = int(experts_idx[t, s])
+            out[t] += weights[t, s] * experts[e].forward(x[t : t + 1])[0]
+    return out""",
+        "was called 4 times",
+    ),
+    (
+        "ch05.recurrent_step",
+        """def recurrent_step(S, q, k, v, g, beta):
+    S *= g.exp()[..., None, None]  # the caller's state, decayed in place
+    predicted = (k[..., None, :] @ S).squeeze(-2)
+    u = beta[..., None] * (v - predicted)
+    S += k[..., :, None] * u[..., None, :]
+    o = (q[..., None, :] @ S).squeeze(-2)
+    return o, S""",
+        "the state did not decay",
+    ),
+    (
+        "ch05.causal_conv1d",
+        """def causal_conv1d(x, weight, conv_state):
+    full = torch.cat([conv_state.to(x.dtype), x], dim=-1)
+    y = F.conv1d(full, weight, groups=x.shape[1])
+    K1 = conv_state.shape[-1]
+    conv_state.copy_(full[:, :, full.shape[-1] - K1 :])  # rolled in place: the caller's state
+    return y, conv_state""",
+        "sees future inputs",
+    ),
+    (
+        "ch02.logit_stats",
+        """def logit_stats(q, k):
+    T, D = q.shape[-2], q.shape[-1]
+    q = q.float() if q.dtype != torch.float32 else q
+    q /= math.sqrt(D)  # the caller's q, scaled in place
+    logits = q @ k.float().transpose(-2, -1)
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    logits = logits.masked_fill(~mask, float("-inf"))
+    p = logits.softmax(dim=-1)
+    p_log_p = torch.where(p > 0, p * p.log(), torch.zeros_like(p))
+    return logits.amax(dim=(0, 2, 3)), (-p_log_p.sum(dim=-1)).mean(dim=(0, 2))""",
+        "not divided by √D",
+    ),
+    (
+        "ch04.split_reasoning",
+        """def split_reasoning(message):
+    if message.get("reasoning_content") is not None:
+        return message.pop("reasoning_content"), message["content"]  # deleted from the caller's
+    content = message["content"]
+    if "</think>" not in content:
+        return "", content
+    before, after = content.split("</think>")[0], content.split("</think>")[-1]
+    return before.rstrip("\\n").split("<think>")[-1].lstrip("\\n"), after.lstrip("\\n")""",
+        "expected ('', 'c')",
+    ),
+]
+
+# the corpus modules and the names of their lists: (exercise, wrong answer, idea, ...)
+MODULES = {"test_wrong_answers_ch01": ("CASES", "ch01.")}  # chapter 1's stateful exercises
+CHAPTER_IDS = ["ch00", "ch01", "ch02", "ch03", "ch04", "ch05"]
+
+
+def corpus() -> list[tuple[str, object, str]]:
+    """Every chapter's catalogued mistakes (qwen_mini/course/checks/chNN.py), the wrong answers
+    of the exercises still checked by functions, and EXTRA, as (exercise id, wrong answer,
+    idea)."""
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))
+    out = [(m.exercise_id, m.fn, m.idea) for ch in CHAPTER_IDS for m in catalogue(ch)]
+    for name, (listing, prefix) in MODULES.items():
+        module = importlib.import_module(name)
+        for case in getattr(module, listing):
+            exercise = case[0] if case[0].startswith("ch") and "." in case[0] else prefix + case[0]
+            out.append((exercise, case[1], case[2]))
+    return out + EXTRA
+
+
+# --- notebooks -----------------------------------------------------------------------------------
+
+
+def _locate(module, obj, depth: int = 3) -> str | None:
+    """An expression for `obj` in `module`'s namespace: a name, or a path through lists, tuples
+    and dicts (`CASES[12][1]`)."""
+
+    def search(value, path, depth):
+        if value is obj:
+            return path
+        if depth == 0:
+            return None
+        items = (
+            enumerate(value)
+            if type(value) in (list, tuple)
+            else value.items()
+            if type(value) is dict
+            else ()
+        )
+        for key, x in items:
+            if isinstance(key, (int, str)):
+                found = search(x, f"{path}[{key!r}]", depth - 1)
+                if found:
+                    return found
+        return None
+
+    for name, value in vars(module).items():
+        if not name.startswith("__"):
+            found = search(value, name, depth)
+            if found:
+                return found
+    return None
+
+
+def _module_cell(modules: dict[str, str]) -> str:
+    """A cell that runs the corpus modules' source, each as a module of its own."""
+    return (
+        "import sys as _sys\nimport types as _types\n\n_corpus = {}\n"
+        f"for _name, _source in {modules!r}.items():\n"
+        # a name of its own: a check module run again must not replace the package's
+        '    _m = _types.ModuleType("_corpus_" + _name.replace(".", "_"))\n'
+        "    _sys.modules[_m.__name__] = _m\n"
+        '    exec(compile(_source, _name + ".py", "exec"), _m.__dict__)\n'
+        "    _corpus[_name] = _m\n"
+    )
+
+
+SETUP = """import json
+import math
+import struct
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qwen_mini.course import check"""
+
+
+def _cell(cell_id: str, source: str) -> dict:
+    return {"cell_type": "code", "id": cell_id, "metadata": {}, "outputs": [],
+            "execution_count": None, "source": source}  # fmt: skip
+
+
+def notebooks(cases, names: dict[str, str]) -> list[tuple[dict, list[tuple[str, object, str]]]]:
+    """The cases of one chapter in a few notebooks: notebook k holds the k-th wrong answer of
+    each exercise. [(notebook, its cases)]."""
+    by_exercise = defaultdict(list)
+    for case in cases:
+        by_exercise[case[0]].append(case)
+    rounds = max(len(v) for v in by_exercise.values())
+    out = []
+    for k in range(rounds):
+        batch = [v[k] for v in by_exercise.values() if len(v) > k]
+        modules, cells = {}, [_cell("setup", SETUP)]
+        for i, (exercise, wrong, _) in enumerate(batch):
+            name = names[exercise]
+            if isinstance(wrong, str):
+                source = wrong
+            else:
+                module = sys.modules[wrong.__module__]
+                where = _locate(module, wrong)
+                assert where, f"{exercise}: {wrong!r} is not reachable from {module.__name__}"
+                modules[module.__name__] = inspect.getsource(module)
+                source = f"{name} = _corpus[{module.__name__!r}].{where}"
+            cells.append(_cell(f"wrong-{i}", f'{source}\n\ncheck("{exercise}", {name})'))
+        if modules:
+            cells.insert(1, _cell("corpus", _module_cell(modules)))
+        nb = {"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+        out.append((nb, batch))
+    return out
+
+
+def _grade(folder: Path, chapter: int, files: list[Path]) -> dict[str, dict]:
+    out = folder / "grades.csv"
+    # a generous time limit: the verdicts are under test here, not the speed of a busy machine
+    argv = ["--chapter", str(chapter), "--jobs", "2", "--timeout", "120", "--out", str(out)]
+    assert grade.main(argv + ["--reports", str(folder / "reports")] + [str(f) for f in files]) == 0
+    with open(out, newline="") as f:
+        return {Path(r["notebook"]).stem: r for r in csv.DictReader(f)}
+
+
+CORPUS = corpus()
+CHAPTERS = sorted({int(c[0][2:4]) for c in CORPUS})
+
+
+def test_the_corpus_reaches_every_chapter_and_fails_in_the_notebook():
+    assert CHAPTERS == [0, 1, 2, 3, 4, 5] and len(CORPUS) >= 200
+    for exercise, wrong, idea in EXTRA:  # the notebook's verdict, which the grader must give
+        namespace = {}
+        exec(SETUP.replace("from qwen_mini.course import check", "") + "\n" + wrong, namespace)
+        obj = namespace[re.search(r"^(?:def|class) (\w+)", wrong, re.M).group(1)]
+        result = run_checks(exercise, obj, hidden=True)
+        assert result.status == "failed" and idea in result.message, (exercise, result.message)
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_every_wrong_answer_scores_zero_through_the_grader(tmp_path, chapter):
+    prefix = f"ch{chapter:02d}"
+    ref = load_reference(ROOT / "solutions", chapter)
+    cases = [c for c in CORPUS if c[0].startswith(prefix + ".")]
+    batches = notebooks(cases, ref.names)
+    files = []
+    for k, (nb, _) in enumerate(batches):
+        files.append(tmp_path / f"batch{k}.ipynb")
+        files[-1].write_text(json.dumps(nb))
+    rows = _grade(tmp_path, chapter, files)
+    problems = []
+    for k, (_, batch) in enumerate(batches):
+        row = rows[f"batch{k}"]
+        report = json.loads((tmp_path / "reports" / f"batch{k}.json").read_text())
+        wrong = {c[0] for c in batch}
+        for exercise, answer, idea in batch:
+            status, message = row[f"{exercise} status"], report["exercises"][exercise]["message"]
+            what = f"batch{k} {exercise} {getattr(answer, '__name__', 'source')}"
+            if float(row[exercise]) != 0 or status not in ("failed", "reference"):
+                problems.append(f"{what}: {row[exercise]} points, {status}: {message}")
+            elif (
+                status == "failed"
+                and "hidden check" not in message
+                and idea.lower() not in message.lower()
+            ):
+                problems.append(f"{what}: the message does not name {idea!r}: {message}")
+        for exercise in ref.ids:  # nothing else in the notebook: missing, and 0
+            if exercise not in wrong and row[f"{exercise} status"] != "missing":
+                problems.append(f"batch{k} {exercise}: {row[f'{exercise} status']}")
+        assert float(row["total"]) == 0, row
+    assert not problems, "\n".join(problems)
