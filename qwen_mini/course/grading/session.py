@@ -18,10 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .plan import Reference, Submission
+from .plan import GraderError, Reference, Submission
 from .protocol import WrongType
 from .report import Grades
 from .sandbox import BadMessage, Connection, Remote, WorkerFault, WorkerGone, WorkerTimeout, Zygote
+
+LOST_OBJECT = (
+    "its process died while an earlier exercise was checked, and running the notebook again up "
+    "to its cell did not check it again"
+)
 
 
 @dataclass
@@ -41,7 +46,7 @@ class Session:
         self.log: list[tuple] = []  # what a new worker replays: ("cell", i, src) / ("fallback", x)
         self.graded: set[str] = set()
         self.end_of_budget = time.monotonic() + options.budget
-        self.fault_note = ""
+        self.replayed: dict[int, list] = {}  # cell index -> what it checked, in this worker
 
     # the worker
 
@@ -51,11 +56,13 @@ class Session:
     def _connect(self) -> Connection:
         if self.conn is None:
             conn = self.conn = Connection(self.zygote, self.options.memory_mb, self._use)
+            self.replayed = {}
             try:
                 for entry in self.log:  # the state before the failure, without the bad cell
                     conn.deadline = self._deadline()
                     if entry[0] == "cell":
-                        conn.request({"op": "cell", "i": entry[1], "src": entry[2]})
+                        result = conn.request({"op": "cell", "i": entry[1], "src": entry[2]})
+                        self.replayed[entry[1]] = self._validate_cell(result)
                     else:
                         conn.request(
                             {"op": "fallback", "ex": entry[1], "name": self.ref.names[entry[1]]}
@@ -153,7 +160,7 @@ class Session:
                 )
             objects = [obj for x, obj in checked if x == exercise]
             if objects:
-                self._grade(exercise, objects[-1])
+                self._grade(exercise, objects[-1], cell)
             elif failure:
                 self.grades.set(exercise, failure[0], failure[1])
                 self.graded.add(exercise)
@@ -213,20 +220,46 @@ class Session:
 
     # grading one exercise
 
-    def _grade(self, exercise: str, obj: Remote) -> None:
+    def _grade(self, exercise: str, obj: Remote, cell=None) -> None:
+        """Grade `exercise` on `obj`, which `cell` checked (None: found by its name)."""
         self.graded.add(exercise)
         for earlier in self.ref.ids[: self.ref.ids.index(exercise)]:
             if earlier not in self.graded:  # graded now on its name, or the package's piece
                 self._by_name(earlier)
         started = time.monotonic()
         try:
-            status, message = self._check(exercise, obj)
+            obj = self._alive(exercise, obj, cell)
+            if obj is None:
+                status, message = "crashed", LOST_OBJECT
+            else:
+                status, message = self._check(exercise, obj)
         except WorkerFault as fault:
             status = "timeout" if isinstance(fault, WorkerTimeout) else "crashed"
             message = self._lost(fault)
         self.grades.set(exercise, status, message, runtime_s=round(time.monotonic() - started, 3))
         if status != "passed":
             self._fall_back(exercise)
+
+    def _alive(self, exercise: str, obj: Remote, cell) -> Remote | None:
+        """`obj`, or, when the worker that held it has ended since (an earlier exercise's checks
+        ran past the time limit or killed it), the same object from a new worker: the one its
+        cell checks once run again there (or found again by name). None if it is not there."""
+        if obj._conn is self.conn:
+            return obj
+        conn = self._connect()  # runs again every cell that ran cleanly, and the fallbacks
+        if cell is None:
+            conn.deadline = self._deadline()
+            try:
+                found = conn.request({"op": "lookup", "name": self.ref.names[exercise]})
+            except NameError:
+                return None
+            return found if type(found) is Remote else None
+        if cell.index not in self.replayed:  # a cell that raised is not run again with the rest
+            conn.deadline = self._deadline()
+            result = conn.request({"op": "cell", "i": cell.index, "src": cell.source})
+            self.replayed[cell.index] = self._validate_cell(result)
+        found = [o for x, o in self.replayed[cell.index] if x == exercise]
+        return found[-1] if found else None
 
     def _check(self, exercise: str, obj: Remote) -> tuple[str, str]:
         conn = self.conn
@@ -269,13 +302,15 @@ class Session:
         checks = [(n, f, False) for n, f in entry.public]
         if hidden:
             checks += [(n, f, True) for n, f in entry.hidden]
-        for name, fn, is_hidden in checks:
+        for n, (name, fn, is_hidden) in enumerate(checks):
             try:
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(0)
                     fn(obj)
-            except NotImplementedError:
-                return "failed", "not implemented yet"
+            except NotImplementedError as e:
+                if n == 0:  # a piece started but not finished (one path left) is wrong, not blank
+                    return "not attempted", "not implemented yet"
+                return "failed", f"{name} failed: your code raised NotImplementedError: {e}"[:600]
             except MemoryError:
                 return "crashed", f"used more than the {self.options.memory_mb} MB memory limit"
             except WrongType as e:
@@ -312,7 +347,7 @@ class Session:
 def _cell_failure(result: dict) -> tuple[str, str]:
     kind, error = result["kind"], result["error"][:1000]
     if kind == "not-implemented":
-        return "failed", f"not implemented yet (your cell {error})"
+        return "not attempted", f"not implemented yet (your cell {error})"
     if kind == "memory":
         return "crashed", f"your cell used more than the memory limit: {error}"
     return "crashed", f"your cell {error}"
@@ -325,15 +360,24 @@ def grade_notebook(sub: Submission, ref: Reference, zygote: Zygote, options: Opt
         for exercise in ref.ids:
             grades.set(exercise, "unreadable", f"the notebook {sub.error}")
         return grades
+    session = Session(sub, ref, zygote, options)
     try:
-        return Session(sub, ref, zygote, options).run()
-    except WorkerFault as fault:  # could not even start a worker for it
-        grades = Grades(sub.name, {e.id: e.points for e in ref.exercises})
+        return session.run()
+    except (WorkerFault, Exception) as e:
+        # whatever went wrong grading this notebook costs this notebook only: its exercises
+        # not graded yet are `crashed`, the others keep their grades, and the run goes on
+        if session.conn is not None:
+            session._keep_output(session.conn.close())
+        why = f"{type(e).__name__}: {str(e)[:300]}"
+        if isinstance(e, (WorkerFault, GraderError, OSError)):
+            why = f"the grading process could not go on ({why})"
+        else:
+            why = f"the grader could not finish this notebook ({why})"
+        session.grades.error = f"{sub.name}: {why}"
         for exercise in ref.ids:
-            grades.set(
-                exercise, "crashed", f"the grading process could not start ({type(fault).__name__})"
-            )
-        return grades
+            if exercise not in session.graded:
+                session.grades.set(exercise, "crashed", why)
+        return session.grades
 
 
 __all__ = ["Options", "grade_notebook", "WorkerGone"]
