@@ -23,13 +23,17 @@ REFRESH = 0.25  # seconds between two looks at the submission's other processes 
 TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _waited(path: str) -> float | None:
-    """Seconds the task of `path` (a schedstat file) has spent runnable but not running."""
-    try:
-        with open(path, "rb") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return None
+def _sched(path: str | None) -> tuple[float, float]:
+    """(seconds run, seconds runnable but not running) of the task of a schedstat file; zeros
+    where it cannot be read (no such file, an ended process)."""
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                ran, waited = f.read().split()[:2]
+            return int(ran) / 1e9, int(waited) / 1e9
+        except (OSError, ValueError):
+            pass
+    return 0.0, 0.0
 
 
 def _cpu(pid: str) -> tuple[tuple[str, int], float] | None:
@@ -47,20 +51,19 @@ class Clock:
     goes back. `follow(pid, uid)` each time a new worker starts for the notebook."""
 
     def __init__(self):
-        self.wall0 = time.monotonic()
         self.grader = "/proc/thread-self/schedstat"
-        self.grader0 = _waited(self.grader) or 0.0
-        self.banked = 0.0  # waits of the notebook's earlier workers
-        self.worker, self.worker0, self.worker_last = None, 0.0, 0.0
+        self.worker = None
+        self.wall = self.start = time.monotonic()
+        self.seen = (*_sched(self.grader), 0.0, 0.0)  # grader's run, wait; worker's run, wait
+        self.credit = 0.0  # seconds of waiting for a CPU, not charged
         self.uid, self.exclude = None, set()
         self.others: dict[tuple, float] = {}  # process -> its CPU seconds when last seen
         self.looked = float("-inf")
-        self.last = float("-inf")
 
     def follow(self, pid: int, uid: int | None) -> None:
-        self.banked += self.worker_last - self.worker0
+        self()  # the old worker's share, counted up to now
         self.worker = f"/proc/{pid}/schedstat"
-        self.worker0 = self.worker_last = _waited(self.worker) or 0.0
+        self.seen = (*self.seen[:2], *_sched(self.worker))
         self.uid, self.exclude = uid, {str(pid)}
 
     def _look(self, wall: float) -> float:
@@ -78,11 +81,13 @@ class Clock:
 
     def __call__(self) -> float:
         wall = time.monotonic()
-        if self.worker is not None:
-            seen = _waited(self.worker)
-            if seen is not None:  # (an ended worker keeps what it had waited)
-                self.worker_last = seen
-        waited = self.banked + self.worker_last - self.worker0
-        waited += (_waited(self.grader) or self.grader0) - self.grader0
-        self.last = max(self.last, wall - waited + self._look(wall))
-        return self.last
+        worker = _sched(self.worker)
+        if worker == (0.0, 0.0):  # ended: it ran and waited what it had when last seen
+            worker = self.seen[2:]
+        now = (*_sched(self.grader), *worker)
+        ran = max(0.0, now[0] - self.seen[0]) + max(0.0, now[2] - self.seen[2])
+        waited = max(0.0, now[1] - self.seen[1]) + max(0.0, now[3] - self.seen[3])
+        # both may wait at once (the grader polls while the worker waits): what they ran counts
+        self.credit += max(0.0, min(waited, wall - self.wall - ran))
+        self.wall, self.seen = wall, now
+        return wall - self.credit + self._look(wall)
