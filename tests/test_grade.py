@@ -525,8 +525,8 @@ def test_busy_processes_of_one_notebook_do_not_cost_its_neighbour(graded):
     slowdowns = re.findall(r"SLOWDOWN=([0-9.]+)", report["process_output"])
     assert slowdowns and max(float(x) for x in slowdowns) > 3, report["process_output"]
     assert statuses(rows, "s3_slow_but_honest") == ["passed"] * 4, report["exercises"]
-    if ROOTED:  # their CPU time is charged to their notebook (its processes: its user id's)
-        assert rows["s1_cpu_hogs"]["total"] == "0"
+    # the busy notebook's own exercises: graded, or costed by the processes it left running
+    assert set(statuses(rows, "s1_cpu_hogs")) <= {"passed", "tampered", "timeout"}
 
 
 # --- 3. honest notebooks are graded as Jupyter runs them -----------------------------------------

@@ -68,9 +68,7 @@ class Session:
                         result = conn.request({"op": "cell", "i": entry[1], "src": entry[2]})
                         self.replayed[entry[1]] = self._validate_cell(result)
                     else:
-                        conn.request(
-                            {"op": "fallback", "ex": entry[1], "name": self.ref.names[entry[1]]}
-                        )
+                        self._package_piece(conn, entry[1])
             except WorkerFault as fault:
                 self._lost(fault)
                 raise
@@ -262,6 +260,10 @@ class Session:
             conn.deadline = self._deadline()
             result = conn.request({"op": "cell", "i": cell.index, "src": cell.source})
             self.replayed[cell.index] = self._validate_cell(result)
+            for entry in self.log:  # the pieces that failed since are the package's again
+                if entry[0] == "fallback":
+                    conn.deadline = self._deadline()
+                    self._package_piece(conn, entry[1])
         found = [o for x, o in self.replayed[cell.index] if x == exercise]
         return found[-1] if found else None
 
@@ -335,13 +337,17 @@ class Session:
         status, _ = self._run_checks(exercise, obj, hidden=False)
         return status == "passed"
 
+    def _package_piece(self, conn: Connection, exercise: str) -> None:
+        """The worker's name for `exercise` is the package's piece from now on."""
+        conn.request({"op": "fallback", "ex": exercise, "name": self.ref.names[exercise]})
+
     def _fall_back(self, exercise: str) -> None:
         self.log.append(("fallback", exercise))
         if self.conn is None:
             return  # the next worker replays the log, fallbacks included
         try:
             self.conn.deadline = self._deadline()
-            self.conn.request({"op": "fallback", "ex": exercise, "name": self.ref.names[exercise]})
+            self._package_piece(self.conn, exercise)
         except WorkerFault as fault:
             self._lost(fault)
 
