@@ -505,11 +505,10 @@ def test_a_reports_folder_someone_else_made_is_refused(tmp_path, capsys, kind):
         shutil.rmtree(shared, ignore_errors=True)
 
 
-def test_busy_processes_of_one_notebook_do_not_cost_its_neighbour(graded):
+def test_busy_processes_of_one_notebook_do_not_cost_its_neighbour(tmp_path):
     # with --jobs 2, one notebook keeps twenty busy processes running (each in a session of its
     # own) while the other's add_one does a second of work in each of its two checks: alone,
     # 2 s of a 6 s limit; beside them, many times that in wall time
-    _, _, _, _, folder = graded
     shared = _shared_folder()
     try:
         solution = nbs.load(SOLUTION)
@@ -517,11 +516,13 @@ def test_busy_processes_of_one_notebook_do_not_cost_its_neighbour(graded):
             nb = _notebook(solution, SUBMISSIONS[name][1])
             (shared / f"{name}.ipynb").write_text(nbs.dumps(nb))
         out = shared / "grades.csv"
-        _run(folder, out, ["--jobs", "2", "--budget", "60", str(shared)])
+        _run(tmp_path, out, ["--jobs", "2", "--budget", "60", str(shared)])
         rows = _rows(out)
         report = json.loads((shared / "grades-reports" / "s3_slow_but_honest.json").read_text())
+        hogs = json.loads((shared / "grades-reports" / "s1_cpu_hogs.json").read_text())
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+    assert "HOGS STARTED" in hogs["process_output"], hogs["warnings"]
     slowdowns = re.findall(r"SLOWDOWN=([0-9.]+)", report["process_output"])
     assert slowdowns and max(float(x) for x in slowdowns) > 3, report["process_output"]
     assert statuses(rows, "s3_slow_but_honest") == ["passed"] * 4, report["exercises"]
