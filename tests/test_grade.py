@@ -21,9 +21,11 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -179,8 +181,18 @@ def test_solution_full_marks_blank_zero(graded):
     _, rows, reports, _, _ = graded
     assert points(rows, "solution") == FULL and rows["solution"]["total"] == "5"
     assert rows["solution"]["max_total"] == "5" and statuses(rows, "solution") == ["passed"] * 4
-    assert points(rows, "blank") == ["0"] * 4 and statuses(rows, "blank") == ["failed"] * 4
+    assert points(rows, "blank") == ["0"] * 4 and statuses(rows, "blank") == ["not attempted"] * 4
     assert all("not implemented" in e["message"] for e in reports["blank"]["exercises"].values())
+
+
+def test_the_csv_carries_each_exercise_maximum_and_wrong_is_not_unattempted(graded):
+    _, rows, reports, _, _ = graded
+    for name in ("solution", "blank", "s2_not_json"):
+        assert [rows[name][f"{x} max"] for x in IDS] == FULL  # the fixture's points, by hand
+    entry = reports["s2_raises_after_first_of_two_hangs"]["exercises"]["ch98.add_one"]
+    assert entry["max_points"] == 1 and entry["points"] == 0
+    # a wrong answer is `failed` (see also the hidden check's test), a stub `not attempted`
+    assert reports["s4_tensor_subclass"]["exercises"]["ch98.mean_square"]["status"] == "failed"
 
 
 # --- 1. one student cannot change another student's result ----------------------------------------
@@ -503,6 +515,151 @@ def test_a_killed_run_keeps_the_rows_it_wrote(graded, tmp_path):
     assert len(rows) >= 2 and all(r["total"] == "5" for r in rows.values())
 
 
+@pytest.mark.parametrize(
+    "name, status",
+    [
+        ("s2_hangs_first_of_two", "timeout"),  # an honest infinite loop in the first check
+        ("s2_kills_first_of_two", "crashed"),  # the worker dies in the first check
+        ("s2_raises_after_first_of_two_hangs", "timeout"),  # and the cell raises after its checks
+        ("s2_hangs_then_checks_later", "timeout"),  # and later cells check more
+    ],
+)
+def test_a_dead_worker_costs_the_exercise_it_died_in_only(graded, name, status):
+    # the cell checks add_one, then add_two (no later cell checks it again): add_two is graded
+    # on this cell's object, run again in a new worker, with the package's add_one under it
+    _, rows, reports, _, _ = graded
+    assert rows[name]["ch98.add_one status"] == status, reports[name]["exercises"]
+    assert statuses(rows, name)[1:] == ["passed"] * 3, reports[name]["exercises"]
+    assert rows[name]["total"] == "4"
+
+
+def test_forged_tensors_are_a_broken_channel_for_that_submission_only(graded):
+    _, rows, reports, _, _ = graded
+    # each cell answers once with a tensor whose shape torch cannot hold (2**64 long, -3, 2.5,
+    # a stride of 2**63 under a dtype given as a list): each costs that cell's exercise
+    for x, entry in reports["s2_forged_shapes"]["exercises"].items():
+        assert entry["status"] == "crashed" and "channel" in entry["message"], (x, entry)
+    entry = reports["s2_forged_sizes"]["exercises"]["ch98.add_one"]  # in a check's answer
+    assert entry["status"] == "crashed" and "channel" in entry["message"], entry
+    assert statuses(rows, "s2_forged_sizes")[1:] == ["passed"] * 3
+
+
+# --- one notebook at a time: whatever one does, the next is graded as if alone --------------------
+
+ALONE = ["s1_takes_reports_folder", "s2_hangs_first_of_two", "s2_kills_first_of_two"]
+ALONE += ["s2_raises_after_first_of_two_hangs", "s2_forged_shapes", "s2_huge_cell"]
+
+
+def _shared_folder() -> Path:
+    """A fresh folder every user can write (sticky, as /tmp is): where a careless --out points."""
+    folder = Path(tempfile.mkdtemp(prefix="qwen-mini-shared-"))
+    folder.chmod(0o1777)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(graded):
+    """With --jobs 1, each hostile notebook followed by the solution, the CSV and its reports in
+    a folder every user can write: (exit code, rows, reports folder, shared folder)."""
+    _, _, _, _, folder = graded
+    shared = _shared_folder()
+    out = shared / "grades.csv"
+    solution = nbs.load(SOLUTION)
+    files = []
+    for name in ALONE:
+        path = shared / f"{name}.ipynb"
+        if name == "s2_huge_cell":  # 24 MB of code in one cell: more than one message holds
+            nb = json.loads(json.dumps(solution))
+            nb["cells"].append({"cell_type": "code", "source": "# " + "é" * 12_000_000})
+            path.write_text(json.dumps(nb), encoding="utf-8")
+        else:
+            base, changes = SUBMISSIONS[name]
+            assert base == "solution", name
+            nb = _notebook(solution, changes)
+            path.write_text(nbs.dumps(nb).replace("@OUT@", str(out)))
+        after = shared / f"after_{name}.ipynb"
+        after.write_text(nbs.dumps(solution))
+        files += [str(path), str(after)]
+    code = _run(folder, out, ["--jobs", "1", *files])
+    yield code, _rows(out), shared / "grades-reports", shared
+    shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_every_notebook_after_a_hostile_one_is_graded_as_if_alone(graded, one_at_a_time):
+    _, solo, _, _, _ = graded
+    code, rows, _, _ = one_at_a_time
+    assert code == 3  # the too-big notebook could not be read
+    alone = {k: v for k, v in solo["solution"].items() if k != "notebook"}
+    for name in ALONE:
+        assert {k: v for k, v in rows[f"after_{name}"].items() if k != "notebook"} == alone, name
+    for name in ALONE[1:5]:  # and each hostile one scores as in the run with --jobs 2
+        assert statuses(rows, name) == statuses(solo, name), name
+
+
+def test_a_notebook_too_big_to_send_gets_its_own_row(one_at_a_time):
+    _, rows, reports, _ = one_at_a_time
+    assert statuses(rows, "s2_huge_cell") == ["unreadable"] * 4
+    report = json.loads((reports / "s2_huge_cell.json").read_text(encoding="utf-8"))
+    assert "too big to grade" in report["error"] and "cell 6" in report["error"]
+
+
+def test_a_submission_cannot_take_the_reports_folder(one_at_a_time):
+    _, rows, reports, shared = one_at_a_time
+    assert rows["s1_takes_reports_folder"]["total"] == "5"
+    assert reports.is_dir() and not reports.is_symlink() and reports.stat().st_uid == os.getuid()
+    assert len(list(reports.glob("*.json"))) == 2 * len(ALONE)
+    assert not list((shared / "stolen-reports").glob("*"))  # nothing written where it pointed
+
+
+@pytest.mark.parametrize("kind", ["link", "file", "writable"] + ["foreign"] * ROOTED)
+def test_a_reports_folder_someone_else_made_is_refused(tmp_path, capsys, kind):
+    shared = _shared_folder()
+    try:
+        reports, elsewhere = shared / "grades-reports", shared / "elsewhere"
+        elsewhere.mkdir()
+        if kind == "link":
+            reports.symlink_to(elsewhere)
+        elif kind == "file":
+            reports.write_text("")
+        else:
+            reports.mkdir()
+            reports.chmod(0o777)
+            if kind == "foreign":
+                reports.chmod(0o755)
+                os.chown(reports, 12345, 12345)
+        code = _run(tmp_path, shared / "grades.csv", [str(SOLUTION)])
+        err = capsys.readouterr().err
+        assert code == 1 and "grades-reports" in err and "--reports" in err, err
+        assert not list(elsewhere.iterdir()) and not (shared / "grades.csv").exists()
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_busy_processes_of_one_notebook_do_not_cost_its_neighbour(tmp_path):
+    # with --jobs 2, one notebook keeps twenty busy processes running (each in a session of its
+    # own) while the other's add_one does a second of work in each of its two checks: alone,
+    # 2 s of a 6 s limit; beside them, many times that in wall time
+    shared = _shared_folder()
+    try:
+        solution = nbs.load(SOLUTION)
+        for name in ("s1_cpu_hogs", "s3_slow_but_honest"):
+            nb = _notebook(solution, SUBMISSIONS[name][1])
+            (shared / f"{name}.ipynb").write_text(nbs.dumps(nb))
+        out = shared / "grades.csv"
+        _run(tmp_path, out, ["--jobs", "2", "--budget", "60", str(shared)])
+        rows = _rows(out)
+        report = json.loads((shared / "grades-reports" / "s3_slow_but_honest.json").read_text())
+        hogs = json.loads((shared / "grades-reports" / "s1_cpu_hogs.json").read_text())
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+    assert "HOGS STARTED" in hogs["process_output"], hogs["warnings"]
+    slowdowns = re.findall(r"SLOWDOWN=([0-9.]+)", report["process_output"])
+    assert slowdowns and max(float(x) for x in slowdowns) > 3, report["process_output"]
+    assert statuses(rows, "s3_slow_but_honest") == ["passed"] * 4, report["exercises"]
+    # the busy notebook's own exercises: graded, or costed by the processes it left running
+    assert set(statuses(rows, "s1_cpu_hogs")) <= {"passed", "tampered", "timeout"}
+
+
 # --- 3. honest notebooks are graded as Jupyter runs them -----------------------------------------
 
 
@@ -518,6 +675,7 @@ def test_a_killed_run_keeps_the_rows_it_wrote(graded, tmp_path):
         "s3_magics",
         "s3_calls_earlier_package_piece",
         "s3_uses_temp_space",
+        "s3_slow_but_honest",
     ],
 )
 def test_honest_notebooks_get_full_marks(graded, name):

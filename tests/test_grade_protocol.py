@@ -1,6 +1,7 @@
 """The grader's channel on its own: what the sandbox sends is rebuilt as plain data of exact types,
 and anything else is refused, never trusted (no sandbox started here)."""
 
+import base64
 import socket
 
 import pytest
@@ -92,6 +93,55 @@ def test_malformed_values_are_protocol_errors(value):
     _, grader = _pair()
     with pytest.raises(ProtocolError):
         grader.decode(value)
+
+
+def _storage(n: int) -> str:
+    return base64.b64encode(bytes(n)).decode()
+
+
+def _copy(shape, data=8, dtype="float32"):
+    return {"t": "tensor", "dtype": dtype, "shape": shape, "data": _storage(data)}
+
+
+def _view(shape, stride, offset=0, storage=16, dtype="float32"):
+    fields = {"shape": shape, "stride": stride, "sid": 1, "offset": offset}
+    return {"t": "tensor", "dtype": dtype, "storage": _storage(storage), **fields}
+
+
+FORGED = {  # tensors a submission's patched worker can send: none is a tensor
+    "negative": [_copy([-1]), _copy([2, -4]), _view([-1], [1]), _view([2], [-1])]
+    + [_view([1], [1], -1)],
+    "huge": [_copy([2**63, 0]), _copy([0, 2**64]), _copy([2**80]), _view([2**64, 0], [1, 1])]
+    + [_view([1], [2**63]), _view([1], [1], 2**70), _copy([2**40, 2**40, 0])],
+    "product overflow": [_copy([2**31, 2**31, 2**31, 0]), _view([2**30] * 3 + [0], [1] * 4)]
+    + [_copy([2**39] * 2, data=0), {"t": "size", "v": [2**63]}, {"t": "size", "v": [2**40] * 2}],
+    "not an int": [_copy([1.5]), _copy(["2"]), _copy([True]), _copy([None]), _copy(2)]
+    + [_copy({"a": 1}), _view([2.0], [1]), _view([2], [1.0]), _view([1], [1], 0.0)],
+    "bytes and dtype disagree": [_copy([2], data=7), _copy([1], dtype="float64", data=4)]
+    + [_copy([3], dtype="bool", data=4), _view([3], [1], dtype="bfloat16", storage=5)]
+    + [_view([4], [1], offset=1, storage=16), _view([3], [2], storage=16)],
+    "not a dtype": [_copy([2], dtype=["float32"]), _copy([2], dtype={"t": 1})]
+    + [_view([2], [1], dtype=["float64"]), {"t": "dtype", "v": ["x"]}, {"t": "device", "v": [1]}],
+}
+
+
+@pytest.mark.parametrize(
+    "kind, value", [(kind, v) for kind, values in FORGED.items() for v in values]
+)
+def test_forged_tensors_are_protocol_errors(kind, value):
+    _, grader = _pair()
+    with pytest.raises(ProtocolError):
+        grader.decode(value)
+    with pytest.raises(ProtocolError):  # also inside a container, at any depth
+        grader.decode({"t": "list", "v": [1, {"t": "tuple", "v": [value]}]})
+
+
+def test_the_bounds_let_real_tensors_through():
+    worker, grader = _pair()
+    base = torch.arange(12.0).reshape(3, 4)
+    for t in (base, base.t(), base[:, 1:3], base[1:, ::2], torch.zeros(0, 2**20), base[2:3]):
+        got = grader.decode(worker.encode(t))
+        assert got.shape == t.shape and torch.equal(got, t)
 
 
 def test_frames_are_validated():

@@ -27,7 +27,7 @@ from pathlib import Path
 from .. import checking
 from ..notebooks import NotebookError
 from .plan import ROOT, GraderError, display_name, load_reference, read_submission
-from .report import Grades, csv_text, number, report_name, write_atomic, write_report
+from .report import Folder, Grades, csv_text, number, report_name, write_report
 from .sandbox import Zygote
 from .session import Options, grade_notebook
 
@@ -119,23 +119,33 @@ def _grade_all(options) -> int:
     files, empty = submissions(options.files)
     reports = options.reports or options.out.with_name(options.out.stem + "-reports")
     settings = Options(timeout=options.timeout, budget=options.budget, memory_mb=options.memory_mb)
+    # both folders are opened before any submission runs: nothing it creates can take their place
+    csv_folder, report_folder = Folder(options.out.parent), Folder(reports, own=True)
     done: dict[int, Grades] = {}
     used: set[str] = set()
     unreadable = bool(empty)
     for folder in empty:
         _say(f"{display_name(folder)}: no notebooks found in this folder")
-    write_atomic(options.out, csv_text(ref.ids, []))
+    csv_folder.write(options.out.name, csv_text(ref.ids, []))
+    said = 0
     for index, grades, error in _graded(files, ref, settings, max(1, options.jobs)):
         unreadable |= bool(error)
         done[index] = grades
         rows = [done[i] for i in sorted(done)]  # in the order given; a killed run keeps these
-        write_atomic(options.out, csv_text(ref.ids, rows))
-        write_report(reports, report_name(grades.notebook, used), grades, options.chapter)
-        note = f" — {grades.error}" if grades.error else ""
-        warn = f" ({len(grades.warnings)} warnings)" if grades.warnings else ""
-        _say(f"{grades.notebook}: {number(grades.total)}/{number(grades.max_total)}{warn}{note}")
+        csv_folder.write(options.out.name, csv_text(ref.ids, rows))
+        while said in done:  # reports and progress lines in the order of the inputs
+            graded = done[said]
+            write_report(report_folder, report_name(graded.notebook, used), graded, options.chapter)
+            _say(_progress(graded))
+            said += 1
     _say(f"wrote {display_name(options.out)} and reports in {display_name(reports)}")
     return UNREADABLE if unreadable else 0
+
+
+def _progress(grades: Grades) -> str:
+    note = f" — {grades.error}" if grades.error else ""
+    warn = f" ({len(grades.warnings)} warnings)" if grades.warnings else ""
+    return f"{grades.notebook}: {number(grades.total)}/{number(grades.max_total)}{warn}{note}"
 
 
 def _grade_share(files, indices, ref, settings):

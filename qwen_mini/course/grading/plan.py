@@ -16,6 +16,8 @@ from .. import notebooks as nbs
 from ..checking import Exercise, exercises
 
 ROOT = Path(__file__).resolve().parents[3]
+MAX_NOTEBOOK_BYTES = 100 * 2**20  # a bigger file is not read (outputs included)
+MAX_CELL_CHARS = 4 * 2**20  # a cell's code is sent to the sandbox in one message (protocol.py)
 
 
 class GraderError(RuntimeError):
@@ -91,12 +93,16 @@ class Submission:
 def read_submission(path: Path, chapter: str) -> Submission:
     sub = Submission(path, display_name(path))
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            data = f.read(MAX_NOTEBOOK_BYTES + 1)
     except FileNotFoundError:
         sub.error = "not found"
         return sub
     except OSError as e:
         sub.error = f"could not be read ({e.strerror or type(e).__name__})"
+        return sub
+    if len(data) > MAX_NOTEBOOK_BYTES:
+        sub.error = f"too big to grade (over {_mb(MAX_NOTEBOOK_BYTES)}; clear its outputs)"
         return sub
     try:
         nb = json.loads(data.decode("utf-8"))
@@ -122,6 +128,17 @@ def read_submission(path: Path, chapter: str) -> Submission:
             kind = type(source).__name__ if source is not None else "null"
             sub.warnings.append(f"cell {i} has a source of type {kind}; skipped")
             continue
+        if len(source) > MAX_CELL_CHARS:
+            sub.error = (
+                f"too big to grade: cell {i} holds {_mb(len(source))} of code (the limit is "
+                f"{_mb(MAX_CELL_CHARS)} a cell)"
+            )
+            sub.cells = []
+            return sub
         mentions = [x for x in nbs.check_ids(source) if x.startswith(chapter + ".")]
         sub.cells.append(Cell(i, source, list(dict.fromkeys(mentions))))
     return sub
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MB"

@@ -64,6 +64,7 @@ DTYPES = {
 }
 MUTABLE = (list, dict, set, torch.Tensor)  # what a check passes that the learner's code may change
 MAX_DEPTH = 32  # nesting of containers in one value
+MAX_DIM = 2**40  # a tensor's size, stride or offset along one dimension; their product < 2**62
 SHARED_STORAGE_MAX = 8 * 2**20  # bytes: a bigger storage crosses as a plain copy of the tensor
 SHARED_TOTAL_MAX = 256 * 2**20  # bytes of storages one worker keeps alive to keep their ids
 
@@ -327,7 +328,21 @@ class Codec:
 
     # values coming in
 
-    def decode(self, value, depth: int = 0):
+    def decode(self, value):
+        """The value a message holds. On the grader's side, anything malformed (whatever the
+        check that finds it) is a ProtocolError, which costs the submission that sent it."""
+        if self.side == "w":
+            return self._decode(value, 0)
+        try:
+            return self._decode(value, 0)
+        except (ProtocolError, WrongType):
+            raise
+        except (TypeError, ValueError, OverflowError, IndexError, KeyError, RuntimeError) as e:
+            raise ProtocolError(
+                f"a malformed value ({type(e).__name__}: {_short(str(e))})"
+            ) from None
+
+    def _decode(self, value, depth: int):
         if depth > MAX_DEPTH:
             raise ProtocolError("a value nested too deeply")
         if value is None or type(value) in (bool, int, float, str):
@@ -337,7 +352,7 @@ class Codec:
         t, v = value["t"], value.get("v")
         if t in ("list", "tuple", "set", "frozenset"):
             _need(type(v) is list, value)
-            items = [self.decode(x, depth + 1) for x in v]
+            items = [self._decode(x, depth + 1) for x in v]
             if t in ("set", "frozenset"):
                 try:
                     items = set(items) if t == "set" else frozenset(items)
@@ -350,9 +365,9 @@ class Codec:
             _need(type(v) is list and all(type(p) is list and len(p) == 2 for p in v), value)
             out = {}
             for k, x in v:
-                key = self.decode(k, depth + 1)
+                key = self._decode(k, depth + 1)
                 try:
-                    out[key] = self.decode(x, depth + 1)
+                    out[key] = self._decode(x, depth + 1)
                 except TypeError:
                     raise ProtocolError("an unhashable dict key") from None
             return self._arrived(value, out)
@@ -362,17 +377,17 @@ class Codec:
         if t == "tensor":
             return self._decode_tensor(value)
         if t == "dtype":
-            _need(v in DTYPES, value)
+            _need(type(v) is str and v in DTYPES, value)
             return DTYPES[v]
         if t == "device":
-            _need(v in ("cpu", "meta"), value)
+            _need(type(v) is str and v in ("cpu", "meta"), value)
             return torch.device(v)
         if t == "size":
-            _need(type(v) is list and all(type(x) is int and x >= 0 for x in v), value)
+            _need(_sizes(v), value)
             return torch.Size(v)
         if t == "slice":
             _need(type(v) is list and len(v) == 3, value)
-            parts = [self.decode(x, depth + 1) for x in v]
+            parts = [self._decode(x, depth + 1) for x in v]
             _need(all(x is None or type(x) is int for x in parts), value)
             return slice(*parts)
         if t == "ellipsis":
@@ -430,15 +445,9 @@ class Codec:
         and a view into it whose every element is inside the buffer."""
         dtype, shape, stride = value.get("dtype"), value.get("shape"), value.get("stride")
         sid, offset, data = value.get("sid"), value.get("offset"), value.get("storage")
-        _need(dtype in DTYPES and DTYPES[dtype] is not torch.bool and type(data) is str, value)
-        _need(type(sid) is int and type(offset) is int and offset >= 0, value)
-        _need(
-            type(shape) is list
-            and type(stride) is list
-            and len(shape) == len(stride) <= 16
-            and all(type(x) is int and x >= 0 for x in shape + stride),
-            value,
-        )
+        _need(_dtype(dtype) and DTYPES[dtype] is not torch.bool and type(data) is str, value)
+        _need(type(sid) is int and type(offset) is int and 0 <= offset < MAX_DIM, value)
+        _need(_sizes(shape) and _sizes(stride) and len(shape) == len(stride), value)
         try:
             raw = base64.b64decode(data, validate=True)
         except ValueError:
@@ -499,13 +508,8 @@ class Codec:
 
     def _decode_copy(self, value: dict) -> torch.Tensor:
         dtype, shape, data = value.get("dtype"), value.get("shape"), value.get("data")
-        _need(dtype in DTYPES and type(data) is str, value)
-        _need(
-            type(shape) is list
-            and len(shape) <= 16
-            and all(type(x) is int and x >= 0 for x in shape),
-            value,
-        )
+        _need(_dtype(dtype) and type(data) is str, value)
+        _need(_sizes(shape), value)
         try:
             raw = base64.b64decode(data, validate=True)
         except ValueError:
@@ -530,7 +534,7 @@ class Codec:
             _need(type(v) is str, value)
             return resolve(v)
         _need(type(v) is dict and all(type(k) is str for k in v), value)
-        fields = {k: self.decode(x, depth + 1) for k, x in v.items()}
+        fields = {k: self._decode(x, depth + 1) for k, x in v.items()}
         if t == "ns":
             return types.SimpleNamespace(**fields)
         cls = resolve(value.get("cls"))
@@ -543,6 +547,25 @@ def _suppress():
     import contextlib
 
     return contextlib.suppress(RuntimeError, NotImplementedError)
+
+
+def _dtype(name) -> bool:
+    return type(name) is str and name in DTYPES
+
+
+def _sizes(v) -> bool:
+    """A tensor's shape or strides as sent: at most 16 ints, each in [0, MAX_DIM), whose
+    product torch can hold."""
+    if (
+        type(v) is not list
+        or len(v) > 16
+        or not all(type(x) is int and 0 <= x < MAX_DIM for x in v)
+    ):
+        return False
+    product = 1
+    for x in v:
+        product *= max(x, 1)
+    return product < 2**62
 
 
 def _need(ok: bool, value) -> None:

@@ -19,10 +19,16 @@ from dataclasses import dataclass
 import torch
 
 from .. import observing
-from .plan import Reference, Submission
+from .cpu import Clock
+from .plan import GraderError, Reference, Submission
 from .protocol import WrongType
 from .report import Grades
 from .sandbox import BadMessage, Connection, Remote, WorkerFault, WorkerGone, WorkerTimeout, Zygote
+
+LOST_OBJECT = (
+    "its process died while an earlier exercise was checked, and running the notebook again up "
+    "to its cell did not check it again"
+)
 
 
 @dataclass
@@ -41,26 +47,29 @@ class Session:
         self.conn: Connection | None = None
         self.log: list[tuple] = []  # what a new worker replays: ("cell", i, src) / ("fallback", x)
         self.graded: set[str] = set()
-        self.end_of_budget = time.monotonic() + options.budget
-        self.fault_note = ""
+        self.clock = Clock()  # the notebook's time, as if it ran alone (see cpu.py)
+        self.end_of_budget = self.clock() + options.budget
+        self.replayed: dict[int, list] = {}  # cell index -> what it checked, in this worker
 
     # the worker
 
     def _deadline(self) -> float:
-        return min(time.monotonic() + self.options.timeout, self.end_of_budget)
+        return min(self.clock() + self.options.timeout, self.end_of_budget)
 
     def _connect(self) -> Connection:
         if self.conn is None:
             conn = self.conn = Connection(self.zygote, self.options.memory_mb, self._use)
+            conn.clock = self.clock
+            self.clock.follow(conn.pid, conn.uid)
+            self.replayed = {}
             try:
                 for entry in self.log:  # the state before the failure, without the bad cell
                     conn.deadline = self._deadline()
                     if entry[0] == "cell":
-                        conn.request({"op": "cell", "i": entry[1], "src": entry[2]})
+                        result = conn.request({"op": "cell", "i": entry[1], "src": entry[2]})
+                        self.replayed[entry[1]] = self._validate_cell(result)
                     else:
-                        conn.request(
-                            {"op": "fallback", "ex": entry[1], "name": self.ref.names[entry[1]]}
-                        )
+                        self._package_piece(conn, entry[1])
             except WorkerFault as fault:
                 self._lost(fault)
                 raise
@@ -72,7 +81,7 @@ class Session:
         self._keep_output(ended)
         self.conn = None
         if isinstance(fault, WorkerTimeout):
-            if time.monotonic() >= self.end_of_budget - 0.05:
+            if self.clock() >= self.end_of_budget - 0.05:
                 return f"the notebook used up its budget of {self.options.budget:g} s"
             stopped = " (the process was stopped, not running)" if ended.get("stopped") else ""
             return f"did not finish within {self.options.timeout:g} s{stopped}"
@@ -99,14 +108,14 @@ class Session:
 
     def run(self) -> Grades:
         for cell in self.sub.cells:
-            if time.monotonic() >= self.end_of_budget:
+            if self.clock() >= self.end_of_budget:
                 self._rest(
                     "timeout", f"the notebook used up its budget of {self.options.budget:g} s"
                 )
                 break
             self._cell(cell)
         for exercise in self.ref.ids:
-            if exercise not in self.graded and time.monotonic() < self.end_of_budget:
+            if exercise not in self.graded and self.clock() < self.end_of_budget:
                 self._by_name(exercise)
         self._rest("timeout", f"the notebook used up its budget of {self.options.budget:g} s")
         if self.conn is not None:
@@ -116,7 +125,7 @@ class Session:
 
     def _rest(self, status: str, message: str) -> None:
         for exercise in self.ref.ids:
-            if exercise not in self.graded and time.monotonic() >= self.end_of_budget:
+            if exercise not in self.graded and self.clock() >= self.end_of_budget:
                 self.grades.set(exercise, status, message)
                 self.graded.add(exercise)
 
@@ -154,7 +163,7 @@ class Session:
                 )
             objects = [obj for x, obj in checked if x == exercise]
             if objects:
-                self._grade(exercise, objects[-1])
+                self._grade(exercise, objects[-1], cell)
             elif failure:
                 self.grades.set(exercise, failure[0], failure[1])
                 self.graded.add(exercise)
@@ -214,20 +223,50 @@ class Session:
 
     # grading one exercise
 
-    def _grade(self, exercise: str, obj: Remote) -> None:
+    def _grade(self, exercise: str, obj: Remote, cell=None) -> None:
+        """Grade `exercise` on `obj`, which `cell` checked (None: found by its name)."""
         self.graded.add(exercise)
         for earlier in self.ref.ids[: self.ref.ids.index(exercise)]:
             if earlier not in self.graded:  # graded now on its name, or the package's piece
                 self._by_name(earlier)
         started = time.monotonic()
         try:
-            status, message = self._check(exercise, obj)
+            obj = self._alive(exercise, obj, cell)
+            if obj is None:
+                status, message = "crashed", LOST_OBJECT
+            else:
+                status, message = self._check(exercise, obj)
         except WorkerFault as fault:
             status = "timeout" if isinstance(fault, WorkerTimeout) else "crashed"
             message = self._lost(fault)
         self.grades.set(exercise, status, message, runtime_s=round(time.monotonic() - started, 3))
         if status != "passed":
             self._fall_back(exercise)
+
+    def _alive(self, exercise: str, obj: Remote, cell) -> Remote | None:
+        """`obj`, or, when the worker that held it has ended since (an earlier exercise's checks
+        ran past the time limit or killed it), the same object from a new worker: the one its
+        cell checks once run again there (or found again by name). None if it is not there."""
+        if obj._conn is self.conn:
+            return obj
+        conn = self._connect()  # runs again every cell that ran cleanly, and the fallbacks
+        if cell is None:
+            conn.deadline = self._deadline()
+            try:
+                found = conn.request({"op": "lookup", "name": self.ref.names[exercise]})
+            except NameError:
+                return None
+            return found if type(found) is Remote else None
+        if cell.index not in self.replayed:  # a cell that raised is not run again with the rest
+            conn.deadline = self._deadline()
+            result = conn.request({"op": "cell", "i": cell.index, "src": cell.source})
+            self.replayed[cell.index] = self._validate_cell(result)
+            for entry in self.log:  # the pieces that failed since are the package's again
+                if entry[0] == "fallback":
+                    conn.deadline = self._deadline()
+                    self._package_piece(conn, entry[1])
+        found = [o for x, o in self.replayed[cell.index] if x == exercise]
+        return found[-1] if found else None
 
     def _check(self, exercise: str, obj: Remote) -> tuple[str, str]:
         conn = self.conn
@@ -275,8 +314,8 @@ class Session:
                 with torch.random.fork_rng(devices=[]), observing.sandboxed(self.conn.request):
                     torch.manual_seed(0)
                     fn(obj)
-            except NotImplementedError:
-                return "failed", "not implemented yet"
+            except NotImplementedError:  # as the notebook's check() says (checking.run_checks)
+                return "not attempted", "not implemented yet"
             except MemoryError:
                 return "crashed", f"used more than the {self.options.memory_mb} MB memory limit"
             except WrongType as e:
@@ -299,13 +338,17 @@ class Session:
         status, _ = self._run_checks(exercise, obj, hidden=False)
         return status == "passed"
 
+    def _package_piece(self, conn: Connection, exercise: str) -> None:
+        """The worker's name for `exercise` is the package's piece from now on."""
+        conn.request({"op": "fallback", "ex": exercise, "name": self.ref.names[exercise]})
+
     def _fall_back(self, exercise: str) -> None:
         self.log.append(("fallback", exercise))
         if self.conn is None:
             return  # the next worker replays the log, fallbacks included
         try:
             self.conn.deadline = self._deadline()
-            self.conn.request({"op": "fallback", "ex": exercise, "name": self.ref.names[exercise]})
+            self._package_piece(self.conn, exercise)
         except WorkerFault as fault:
             self._lost(fault)
 
@@ -313,7 +356,7 @@ class Session:
 def _cell_failure(result: dict) -> tuple[str, str]:
     kind, error = result["kind"], result["error"][:1000]
     if kind == "not-implemented":
-        return "failed", f"not implemented yet (your cell {error})"
+        return "not attempted", f"not implemented yet (your cell {error})"
     if kind == "memory":
         return "crashed", f"your cell used more than the memory limit: {error}"
     return "crashed", f"your cell {error}"
@@ -326,15 +369,24 @@ def grade_notebook(sub: Submission, ref: Reference, zygote: Zygote, options: Opt
         for exercise in ref.ids:
             grades.set(exercise, "unreadable", f"the notebook {sub.error}")
         return grades
+    session = Session(sub, ref, zygote, options)
     try:
-        return Session(sub, ref, zygote, options).run()
-    except WorkerFault as fault:  # could not even start a worker for it
-        grades = Grades(sub.name, {e.id: e.points for e in ref.exercises})
+        return session.run()
+    except (WorkerFault, Exception) as e:
+        # whatever went wrong grading this notebook costs this notebook only: its exercises
+        # not graded yet are `crashed`, the others keep their grades, and the run goes on
+        if session.conn is not None:
+            session._keep_output(session.conn.close())
+        why = f"{type(e).__name__}: {str(e)[:300]}"
+        if isinstance(e, (WorkerFault, GraderError, OSError)):
+            why = f"the grading process could not go on ({why})"
+        else:
+            why = f"the grader could not finish this notebook ({why})"
+        session.grades.error = f"{sub.name}: {why}"
         for exercise in ref.ids:
-            grades.set(
-                exercise, "crashed", f"the grading process could not start ({type(fault).__name__})"
-            )
-        return grades
+            if exercise not in session.graded:
+                session.grades.set(exercise, "crashed", why)
+        return session.grades
 
 
 __all__ = ["Options", "grade_notebook", "WorkerGone"]
