@@ -53,7 +53,7 @@ EXTRA = [
         else:
             x = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)""",
-        "RMSNorm(2, eps=0)([3, 4])",  # the check's expected value, from x after the call
+        "changed its input in place",
     ),
     (
         "ch00.rotate_half",
@@ -68,7 +68,8 @@ EXTRA = [
         "ch01.attention_weights",
         """def attention_weights(q, k, mask):
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores, dim=-1).to(q.dtype)  # softmax in q's dtype""",
         "softmax in float32",
     ),
@@ -90,7 +91,7 @@ EXTRA = [
             e = int(experts_idx[t, s])
             out[t] += weights[t, s] * experts[e].forward(x[t : t + 1])[0]
     return out""",
-        "was called 4 times",
+        "called more than once",
     ),
     (
         "ch05.recurrent_step",
@@ -101,7 +102,7 @@ EXTRA = [
     S += k[..., :, None] * u[..., None, :]
     o = (q[..., None, :] @ S).squeeze(-2)
     return o, S""",
-        "the state did not decay",
+        "changed its input in place",
     ),
     (
         "ch05.causal_conv1d",
@@ -111,7 +112,7 @@ EXTRA = [
     K1 = conv_state.shape[-1]
     conv_state.copy_(full[:, :, full.shape[-1] - K1 :])  # rolled in place: the caller's state
     return y, conv_state""",
-        "sees future inputs",
+        "changed its input in place",
     ),
     (
         "ch02.logit_stats",
@@ -125,7 +126,7 @@ EXTRA = [
     p = logits.softmax(dim=-1)
     p_log_p = torch.where(p > 0, p * p.log(), torch.zeros_like(p))
     return logits.amax(dim=(0, 2, 3)), (-p_log_p.sum(dim=-1)).mean(dim=(0, 2))""",
-        "not divided by √D",
+        "changed its input in place",
     ),
     (
         "ch04.split_reasoning",
@@ -137,7 +138,7 @@ EXTRA = [
         return "", content
     before, after = content.split("</think>")[0], content.split("</think>")[-1]
     return before.rstrip("\\n").split("<think>")[-1].lstrip("\\n"), after.lstrip("\\n")""",
-        "expected ('', 'c')",
+        "other messages",
     ),
 ]
 

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 MODES = ("learner", "solutions", "course")
 # Extra folders holding `chNN.py` check modules (course extensions, the test suite's fixtures).
@@ -243,18 +244,71 @@ def _inputs(c: Case, seed: int) -> tuple:
     return c.inputs(torch.Generator().manual_seed(seed))
 
 
-def _result(c: Case, impl, seed: int):
-    """`impl` run on a fresh copy of the case's inputs (it may change them), the global RNG
-    seeded alike for every implementation."""
+def _result(c: Case, impl, seed: int, changed: list | None = None):
+    """`impl` run on a fresh copy of the case's inputs, the global RNG seeded alike for every
+    implementation; the positions of the inputs it changed are added to `changed`."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return c.call(impl, *_inputs(c, seed))
+        arguments = _inputs(c, seed)
+        out = c.call(impl, *arguments)
+    if changed is not None:
+        fresh = _inputs(c, seed)
+        changed += [
+            i for i, (a, b) in enumerate(zip(arguments, fresh, strict=True)) if not _unchanged(a, b)
+        ]
+    return out
+
+
+def _unchanged(a, b) -> bool:
+    """Whether an input is as it was made: tensors value for value (NaN where NaN was),
+    containers item for item, a module's parameters and buffers; other objects are not
+    compared."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        equal = a == b
+        return bool((equal | (a.isnan() & b.isnan()) if a.is_floating_point() else equal).all())
+    if isinstance(a, nn.Module) and isinstance(b, nn.Module):
+        return _unchanged(a.state_dict(), b.state_dict())
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_unchanged(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_unchanged(x, y) for x, y in zip(a, b, strict=True))
+    return True
+
+
+def _changed_inputs(c: Case, entry: Exercise, got, seed: int, changed: list[int]) -> None:
+    """Fail when the learner's code changed an input that the reference leaves as it was
+    (named by a catalogued mistake that does the same, if one matches)."""
+    if not changed:
+        return
+    by_reference: list[int] = []
+    _result(c, entry.reference, seed, by_reference)
+    wrong = [i for i in changed if i not in by_reference]
+    if wrong:
+        i = wrong[0]
+        for m in entry.mistakes.values():  # a catalogued mistake that changes it too names it
+            by_mistake: list[int] = []
+            try:
+                expect_close("", got, _result(c, m.fn, seed, by_mistake), c.atol, c.rtol)
+            except Exception:
+                continue
+            if i in by_mistake:
+                raise AssertionError(m.idea)
+        raise AssertionError(
+            f"your code changed its input in place (argument {i + 1} of this case, "
+            f"{type(_inputs(c, seed)[i]).__name__}): the caller's value must stay as it was; "
+            "compute into a new one (x = x * s, not x *= s; a copy of a dict before deleting "
+            "from it)"
+        )
 
 
 def _run_case(c: Case, obj) -> None:
     seed = _seed(c)
     entry = get(c.exercise_id)
-    got = _result(c, obj, seed)
+    changed: list[int] = []
+    got = _result(c, obj, seed, changed)
+    _changed_inputs(c, entry, got, seed, changed)
     want = (
         _result(c, entry.reference, seed) if c.expected is None else c.expected(*_inputs(c, seed))
     )
