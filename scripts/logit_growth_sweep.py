@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in runs:
         peak = max((v for s in r["max_logit"] for layer in s for v in layer if v), default=0)
         print(
-            f"seed {r['seed']} QK-Norm {'on ' if r['qk_norm'] else 'off'} lr {r['lr']:<6g} final loss "
+            f"seed {r['seed']} QK-Norm {'on ' if r['qk_norm'] else 'off'} lr {r['lr']:<6g} "
+            f"final loss "
             f"{r['loss'][-1]} largest logit {peak:.4g} ({r['seconds']} s)"
         )
     data = {
