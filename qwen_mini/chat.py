@@ -432,8 +432,8 @@ class ChatSession:
         self.turns: list[dict] = []
 
     def prompt_ids(self) -> list[int]:
-        """The prompt for the next reply. In thinking mode the think block is opened here (as
-        Qwen3.5's template does), so the reply is sure to start inside it."""
+        """The prompt for the next reply. In thinking mode the think block is opened here, so
+        the reply is sure to start inside it."""
         ids = encode_messages(
             self.tokenizer, self.messages, enable_thinking=self.thinking, add_generation_prompt=True
         )

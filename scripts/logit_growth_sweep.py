@@ -45,6 +45,7 @@ def run(qk_norm: bool, lr: float, settings: dict) -> dict:
     return {
         "qk_norm": qk_norm,
         "lr": lr,
+        "seed": settings["seed"],
         "loss": rounded(rec["loss"]),
         "step": rec["step"],
         "max_logit": rounded(rec["max_logit"]),  # [recorded step][layer][head]
@@ -57,18 +58,25 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
     parser.add_argument("--steps", type=int, default=SETTINGS["steps"])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[SETTINGS["seed"]])
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--jobs", type=int, default=1, help="runs trained side by side")
     args = parser.parse_args(argv)
     settings = dict(SETTINGS, steps=args.steps)
-    todo = [(qk_norm, lr, settings) for qk_norm in (False, True) for lr in args.lrs]
+    todo = [
+        (qk_norm, lr, dict(settings, seed=seed))
+        for seed in args.seeds
+        for qk_norm in (False, True)
+        for lr in args.lrs
+    ]
     # each run is independent and single-threaded, so running several at once changes nothing
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
         runs = pool.starmap(run, todo)
     for r in runs:
         peak = max((v for s in r["max_logit"] for layer in s for v in layer if v), default=0)
         print(
-            f"QK-Norm {'on ' if r['qk_norm'] else 'off'} lr {r['lr']:<6g} final loss "
+            f"seed {r['seed']} QK-Norm {'on ' if r['qk_norm'] else 'off'} lr {r['lr']:<6g} "
+            f"final loss "
             f"{r['loss'][-1]} largest logit {peak:.4g} ({r['seconds']} s)"
         )
     data = {

@@ -58,7 +58,7 @@ def test_the_stored_sweep_shows_the_effect():
     """What chapter 2 says about the sweep, on the stored numbers: without QK-Norm the largest
     logit grows with the rate (by over 1000x across the range) and the sharpest head collapses
     to near-zero entropy at the high rates; with QK-Norm the largest logit stays below 50, no head
-    collapses, and the final loss is lower at every rate."""
+    collapses, and from the second-smallest rate on the final loss is lower by more than 0.1."""
     lrs = sorted({r["lr"] for r in SWEEP["runs"]})
     assert len(lrs) >= 4 and len(SWEEP["runs"]) == 2 * len(lrs)
 
@@ -76,6 +76,11 @@ def test_the_stored_sweep_shows_the_effect():
     for lr in lrs:
         off, on = _stored(False, lr), _stored(True, lr)
         assert peak(on) < 50 and lowest_entropy(on) > 0.1, lr
-        assert math.isfinite(final(off)) and final(on) < final(off), (lr, final(on), final(off))
+        assert math.isfinite(final(off)), lr
+    # one seed: from the second rate on the gap is well above the step-to-step noise; at the
+    # smallest rate it is not, and the chapter claims nothing there
+    for lr in lrs[1:]:
+        off, on = _stored(False, lr), _stored(True, lr)
+        assert final(off) - final(on) > 0.1, (lr, final(on), final(off))
     for lr in lrs[-2:]:
         assert lowest_entropy(_stored(False, lr)) < 0.01, lr
