@@ -1,6 +1,8 @@
 """Fixtures shared by the test files. Factories that are plain functions (one tiny config per
 architecture, one randomiser, checkpoints written by transformers) live in tests/helpers.py."""
 
+import os
+
 import pytest
 import torch
 
@@ -13,3 +15,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _learner_pieces_kept_apart(tmp_path_factory):
+    """Checks run in the learner's mode keep passing answers as the learner's pieces
+    (qwen_mini/course/mine.py). Tests keep none (tests/test_mine.py turns it on for its own
+    learners), and a folder of the run stands in for ~/.qwen-mini."""
+    saved = {k: os.environ.get(k) for k in ("QWEN_MINI_HOME", "QWEN_MINI_MINE")}
+    os.environ["QWEN_MINI_HOME"] = str(tmp_path_factory.mktemp("qwen-mini-home"))
+    os.environ["QWEN_MINI_MINE"] = "off"
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -41,9 +41,8 @@ for cell in json.loads(sys.stdin.read()):
 
 
 def _env(home: Path, **extra) -> dict:
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("QWEN_MINI_WEIGHTS", "QWEN_MINI_CHECKS")
-    }
+    dropped = ("QWEN_MINI_WEIGHTS", "QWEN_MINI_CHECKS", "QWEN_MINI_MINE")  # a learner keeps pieces
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env.update(QWEN_MINI_HOME=str(home), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **extra)
     env.update(HF_HUB_CACHE=str(home / "empty-hf-cache"), PYTHONPATH=str(ROOT))
     return env
@@ -275,6 +274,7 @@ def test_a_real_kernel_keeps_the_piece(tmp_path, qwen_mini):
     client = NotebookClient(nb, timeout=300, kernel_name="python3",
                             resources={"metadata": {"path": str(folder)}})  # fmt: skip
     saved = dict(os.environ)
+    os.environ.clear()
     os.environ.update(env)
     try:
         client.execute()
