@@ -34,8 +34,11 @@ def test_no_foreign_function_looks_like_a_reference():
     }
     foreign = {}
     for obj in gc.get_objects():
-        module = getattr(obj, "__module__", None) or ""
-        if isinstance(obj, types.FunctionType) and not module.startswith("qwen_mini"):
+        module = getattr(obj, "__module__", None)
+        module = module if isinstance(module, str) else ""
+        # the tests' own wrong answers are written to resemble the references: not foreign
+        ours = module.startswith(("qwen_mini", "test_", "tests.", "helpers", "conftest"))
+        if isinstance(obj, types.FunctionType) and not ours:
             for code in _codes(obj.__code__):
                 foreign.setdefault(fingerprint(code), code.co_qualname)
     assert len(foreign) > 5000  # torch, the standard library, IPython

@@ -138,7 +138,7 @@ EXTRA = [
         return "", content
     before, after = content.split("</think>")[0], content.split("</think>")[-1]
     return before.rstrip("\\n").split("<think>")[-1].lstrip("\\n"), after.lstrip("\\n")""",
-        "other messages",
+        "changed its input in place",
     ),
 ]
 

@@ -36,6 +36,7 @@ has leaked its solution, or its checks cannot fail).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import importlib.util
@@ -241,7 +242,8 @@ def _seed(c: Case) -> int:
 
 
 def _inputs(c: Case, seed: int) -> tuple:
-    return c.inputs(torch.Generator().manual_seed(seed))
+    # a copy: inputs built from a module's constants must not carry what a call did to them
+    return copy.deepcopy(c.inputs(torch.Generator().manual_seed(seed)))
 
 
 def _result(c: Case, impl, seed: int, changed: list | None = None):
