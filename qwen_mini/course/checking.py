@@ -289,19 +289,15 @@ def _changed_inputs(c: Case, entry: Exercise, got, seed: int, changed: list[int]
     wrong = [i for i in changed if i not in by_reference]
     if wrong:
         i = wrong[0]
-        for m in entry.mistakes.values():  # a catalogued mistake that changes it too names it
-            by_mistake: list[int] = []
-            try:
-                expect_close("", got, _result(c, m.fn, seed, by_mistake), c.atol, c.rtol)
-            except Exception:
-                continue
-            if i in by_mistake:
-                raise AssertionError(m.idea)
+        idea = _matching_mistake(c, entry, got, seed, changes=i)
         raise AssertionError(
-            f"your code changed its input in place (argument {i + 1} of this case, "
-            f"{type(_inputs(c, seed)[i]).__name__}): the caller's value must stay as it was; "
-            "compute into a new one (x = x * s, not x *= s; a copy of a dict before deleting "
-            "from it)"
+            idea
+            or (
+                f"your code changed its input in place (argument {i + 1} of this case, "
+                f"{type(_inputs(c, seed)[i]).__name__}): the caller's value must stay as it was; "
+                "compute into a new one (x = x * s, not x *= s; a copy of a dict before deleting "
+                "from it)"
+            )
         )
 
 
@@ -324,14 +320,17 @@ def _run_case(c: Case, obj) -> None:
         raise AssertionError(idea) from None
 
 
-def _matching_mistake(c: Case, entry: Exercise, got, seed: int) -> str | None:
-    """The idea of the first catalogued mistake whose result on this case is the learner's."""
+def _matching_mistake(c: Case, entry: Exercise, got, seed: int, changes=None) -> str | None:
+    """The idea of the first catalogued mistake whose result on this case is the learner's
+    (and, given `changes`, that changes that input too)."""
     for m in entry.mistakes.values():
+        by_mistake: list[int] = []
         try:
-            expect_close("", got, _result(c, m.fn, seed), c.atol, c.rtol)
+            expect_close("", got, _result(c, m.fn, seed, by_mistake), c.atol, c.rtol)
         except Exception:  # a mistake may crash on inputs it was not written for
             continue
-        return m.idea
+        if changes is None or changes in by_mistake:
+            return m.idea
     return None
 
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
 import hashlib
+import io
 import json
 import linecache
 import math
@@ -316,7 +318,7 @@ def load(notebooks: Path | str = ".", only: list[str] | None = None) -> dict[str
             obj = _load_one(path, resolve)
         except Exception as e:  # the learner's code: any error means "not usable"
             return Piece(exercise_id, "package", ref, f"yours does not load: {e!r}")
-        with _quiet():
+        with contextlib.redirect_stdout(io.StringIO()):  # what the learner's code prints
             result = checking.run_checks(exercise_id, obj)
         if not result.ok:
             return Piece(exercise_id, "package", ref, f"yours no longer passes: {result.message}")
@@ -325,17 +327,6 @@ def load(notebooks: Path | str = ".", only: list[str] | None = None) -> dict[str
     for exercise_id in only if only is not None else [e.id for e in all_exercises()]:
         resolve(exercise_id)
     return pieces
-
-
-class _quiet:
-    """Checks print what the learner's code prints; a progress table should not."""
-
-    def __enter__(self):
-        self.saved, sys.stdout = sys.stdout, open(os.devnull, "w")
-
-    def __exit__(self, *exc):
-        sys.stdout.close()
-        sys.stdout = self.saved
 
 
 def mine(exercise_id: str, notebooks: Path | str = "."):
