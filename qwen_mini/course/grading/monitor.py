@@ -127,8 +127,10 @@ def recompiled(obj, earlier=()) -> set:
 
 def _distinctive(code: types.CodeType) -> bool:
     """Long enough not to be a copy of anything else: a method whose docstring is stripped may be
-    `pass` or `return self.x`, like many functions of the standard library and of torch."""
-    return len(code.co_code) >= MIN_RECOMPILED_BYTES
+    `pass` or `return self.x`, like many functions of the standard library and of torch. A
+    comprehension, generator expression or lambda (`sum(s[0] for s in stats)`) is as common in
+    torch and in a learner's own helpers; a copy of the function around it is what gives it away."""
+    return len(code.co_code) >= MIN_RECOMPILED_BYTES and not code.co_name.startswith("<")
 
 
 class Snapshot:
@@ -145,7 +147,7 @@ class Snapshot:
             codes = _codes(e.reference, earlier=set(earlier) - {e.reference})
             self.keep += codes
             self.code_ids[e.id] = {id(c) for c in codes}
-            self.fingerprints[e.id] = {fingerprint(c) for c in codes} | recompiled(
+            self.fingerprints[e.id] = {fingerprint(c) for c in codes if _distinctive(c)} | recompiled(
                 e.reference, set(earlier) - {e.reference}
             )
         self.package_ids = set()
