@@ -376,7 +376,12 @@ given(
     SPLIT, "reasoning_content given (content untouched)", (A(TAGGED, "given"),), ("given", TAGGED)
 )
 given(SPLIT, "reasoning_content '' (still given)", (A(TAGGED, ""),), ("", TAGGED))
-given(SPLIT, "reasoning_content None (absent)", (A(TAGGED, None),), ("x", "A"))
+given(
+    SPLIT,
+    "reasoning_content None (as if absent)",
+    ({"role": "assistant", "content": TAGGED, "reasoning_content": None},),
+    ("x", "A"),
+)
 given(
     SPLIT,
     "'<think>a</think>middle</think>end'",
@@ -1560,7 +1565,7 @@ case(
     "(parse_reply splits them), not the raw reply",
 )
 def reply_raw(text, thinking):
-    return {"role": "assistant", "content": text, "reasoning_content": ""}
+    return {"role": "assistant", "content": text}
 
 
 @mistake(
