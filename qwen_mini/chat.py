@@ -398,6 +398,24 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     return n
 
 
+def prefill(model, cache, cached: list[int], ids: list[int]) -> tuple[torch.Tensor, int]:
+    """Logits [vocab] (float32) after the prompt `ids`, reusing what `cache` holds of the tokens
+    `cached`; returns (logits, tokens reused). Afterwards the cache holds exactly `ids`."""
+    reused = min(common_prefix_length(cached, ids), len(ids) - 1)  # compute >= 1: its logits
+    cache.truncate(reused)  # the old reply (with its reasoning) is not in the new prompt
+    x = torch.tensor([ids[reused:]], device=next(model.parameters()).device)  # [1, T_new]
+    with torch.inference_mode():
+        logits = model(x, cache=cache, last_only=True)[0, -1]  # [V]
+    return logits.float(), reused
+
+
+def reply_message(text: str, thinking: bool) -> dict:
+    """The assistant turn the history keeps for the generated `text`. thinking: the prompt
+    opened the think block, so `text` starts inside it."""
+    reasoning, answer = parse_reply(text, thinking=thinking)
+    return {"role": "assistant", "content": answer, "reasoning_content": reasoning}
+
+
 class ChatSession:
     """A multi-turn chat that keeps the history as the template expects and reuses the KV cache.
 
@@ -449,13 +467,13 @@ class ChatSession:
 
     def prefill(self, ids: list[int]) -> tuple[torch.Tensor, int]:
         """Logits after `ids`, reusing the cached prefix; returns (logits, tokens reused)."""
-        reused = min(common_prefix_length(self.cached, ids), len(ids) - 1)  # compute >= 1
         try:
-            self.cache.truncate(reused)
+            logits, reused = prefill(self.model, self.cache, self.cached, ids)
         except ValueError:  # a recurrent layer (Qwen3.5) cannot go back: start a new cache
-            self.cache, reused = self.model.new_cache(batch_size=1), 0
-        self.cached = self.cached[:reused]
-        return self.forward(ids[reused:]), reused
+            self.cache = self.model.new_cache(batch_size=1)
+            logits, reused = prefill(self.model, self.cache, [], ids)
+        self.cached = list(ids)
+        return logits, reused
 
     def send(self, text: str) -> Iterator[tuple[str, str]]:
         """Add a user turn and stream the reply as ("thinking" | "answer", text) events.
@@ -533,10 +551,7 @@ class ChatSession:
         for piece in stream_text(tok, content()):
             yield from router.feed(piece)
         yield from router.close()
-        reasoning, answer = parse_reply(tok.decode(reply), thinking=self.thinking)
-        self.messages = self.messages + [
-            {"role": "assistant", "content": answer, "reasoning_content": reasoning}
-        ]
+        self.messages = self.messages + [reply_message(tok.decode(reply), self.thinking)]
         stats["computed"] = stats["prompt"] - stats["reused"]
         stats["seconds"] = time.perf_counter() - start
         self.turns.append(stats)

@@ -57,6 +57,24 @@ register(
     points=2,
     title="Injection-safe encoding: control tokens only from the template",
 )
+register(
+    "ch04.common_prefix_length",
+    reference=ref.common_prefix_length,
+    points=1,
+    title="The tokens a new prompt shares with the cache",
+)
+register(
+    "ch04.prefill",
+    reference=ref.prefill,
+    points=2,
+    title="Reuse the cached prefix, compute the rest",
+)
+register(
+    "ch04.reply_message",
+    reference=ref.reply_message,
+    points=1,
+    title="What the history keeps of a reply",
+)
 
 
 @functools.cache
@@ -203,8 +221,7 @@ def gen_not_false(enable_thinking=None):  # `not enable_thinking`: None pre-fill
 
 @mistake(
     GEN,
-    "Qwen3's template adds nothing when thinking is on: the model writes <think> itself (opening "
-    "the block is what Qwen3.5's template does)",
+    "Qwen3's template adds nothing when thinking is on: the model writes <think> itself",
 )
 def gen_opens_think(enable_thinking=None):
     return _EMPTY if enable_thinking is False else _OPEN + "<think>\n"
@@ -258,6 +275,13 @@ given(
     3,
 )
 given(LQI, "a tool message is not a user query", ([U("q"), TOOL("t")],), 0)
+given(
+    LQI,
+    "a user turn with a newline before its <tool_response> is a real query (the template "
+    "tests the content as it is, not stripped)",
+    ([U("q"), A("a"), U("\n<tool_response>\nx\n</tool_response>")],),
+    2,
+)
 
 
 def _conversations(g):
@@ -298,6 +322,32 @@ def lqi_startswith_only(messages):
     return len(messages) - 1
 
 
+@mistake(
+    LQI,
+    "a tool message is a tool's output, not a query: only a user turn is a query (and not one "
+    "that only wraps a tool response)",
+)
+def lqi_tool_is_query(messages):
+    for i in range(len(messages) - 1, -1, -1):
+        m = messages[i]
+        if m["role"] == "tool" or (m["role"] == "user" and not ref.is_tool_response(m["content"])):
+            return i
+    return len(messages) - 1
+
+
+@mistake(
+    LQI,
+    "the template tests the content as it is: '\n<tool_response>…</tool_response>' does not "
+    "start with <tool_response>, so it is a real query (do not strip it first)",
+)
+def lqi_strips(messages):
+    for i in range(len(messages) - 1, -1, -1):
+        m = messages[i]
+        if m["role"] == "user" and not ref.is_tool_response(m["content"].strip()):
+            return i
+    return len(messages) - 1
+
+
 @mistake(LQI, "it is the LAST real query, not the first")
 def lqi_first(messages):
     return next(i for i, m in enumerate(messages) if m["role"] == "user")
@@ -326,7 +376,12 @@ given(
     SPLIT, "reasoning_content given (content untouched)", (A(TAGGED, "given"),), ("given", TAGGED)
 )
 given(SPLIT, "reasoning_content '' (still given)", (A(TAGGED, ""),), ("", TAGGED))
-given(SPLIT, "reasoning_content None (absent)", (A(TAGGED, None),), ("x", "A"))
+given(
+    SPLIT,
+    "reasoning_content None (as if absent)",
+    ({"role": "assistant", "content": TAGGED, "reasoning_content": None},),
+    ("x", "A"),
+)
 given(
     SPLIT,
     "'<think>a</think>middle</think>end'",
@@ -334,6 +389,24 @@ given(
     ("a", "end"),
 )
 given(SPLIT, "no <think>, only </think>", (A("r</think>\n\nc"),), ("r", "c"))
+given(
+    SPLIT,
+    "no reasoning_content key at all: the tags are read",
+    (A(THOUGHT),),
+    ("thought", "answer"),
+)
+given(
+    SPLIT,
+    "spaces around the reasoning and the content are kept (only newlines are dropped)",
+    (A("<think> r \n</think>\n\n a "),),
+    (" r ", " a "),
+)
+given(
+    SPLIT,
+    "two <think> tags: the reasoning is what follows the LAST one (split('<think>')[-1])",
+    (A("<think>a<think>b</think>c"),),
+    ("b", "c"),
+)
 SPLITS = [
     A("\n\n<think>\n\nr\n\n</think>\n\n\nc\n"),
     A("<think></think>"),
@@ -361,6 +434,46 @@ def split_truthy(message):
     if message.get("reasoning_content"):
         return message["reasoning_content"], message["content"]
     return ref.split_reasoning({"role": "assistant", "content": message["content"]})
+
+
+@mistake(
+    SPLIT,
+    "reasoning_content=None is no reasoning field at all (the template's `is not none`): the "
+    "reasoning then comes from the tags in the content",
+)
+def split_key_present(message):
+    if "reasoning_content" in message:
+        return message["reasoning_content"], message["content"]
+    return ref.split_reasoning(message)
+
+
+@mistake(
+    SPLIT,
+    "only NEWLINES are dropped around the reasoning and before the content (rstrip('\\n'), "
+    "lstrip('\\n')): spaces are text",
+)
+def split_strips_spaces(message):
+    if message.get("reasoning_content") is not None:
+        return message["reasoning_content"], message["content"]
+    c = message["content"]
+    if "</think>" not in c:
+        return "", c
+    return c.split("</think>")[0].split("<think>")[-1].strip(), c.split("</think>")[-1].lstrip()
+
+
+@mistake(
+    SPLIT,
+    "with two <think> tags the reasoning is what follows the LAST one before </think> (the "
+    "template's split('<think>')[-1])",
+)
+def split_first_think(message):
+    if message.get("reasoning_content") is not None:
+        return message["reasoning_content"], message["content"]
+    c = message["content"]
+    if "</think>" not in c:
+        return "", c
+    before = c.split("</think>")[0].rstrip("\n")
+    return before.split("<think>", 1)[-1].lstrip("\n"), c.split("</think>")[-1].lstrip("\n")
 
 
 @mistake(
@@ -470,6 +583,24 @@ prompt_case(
     tools=[WEATHER],
     add_generation_prompt=False,
 )
+prompt_case(
+    "a wrapped tool response is not a query: the reasoning of the turns after the real query stays",
+    [U("Weather?"), A("Checking.", "r1"), _wrapped("cold"), A("Cold.", "r2")],
+    add_generation_prompt=False,
+)
+prompt_case(
+    "reasoning_content None (no field): the tags in the content are read",
+    [
+        U("Q"),
+        {"role": "assistant", "content": "<think>\nx\n</think>\n\nA", "reasoning_content": None},
+    ],
+    add_generation_prompt=False,
+)
+prompt_case(
+    "spaces around the reasoning of the last turn are kept (only newlines are stripped)",
+    [U("Q"), A(" A", " r ")],
+    add_generation_prompt=False,
+)
 case(
     PROMPT,
     "every piece of conversation text passes through quote(...), after stripping, and no "
@@ -515,7 +646,8 @@ case(
 
 def _render_variant(keep_all_reasoning=False, no_empty_block=False, separate_tools=False,
                     system_twice=False, escape_unicode=False, no_quote=False,
-                    always_newline=False):  # fmt: skip
+                    always_newline=False, wrapped_is_query=False,
+                    strip_spaces=False):  # fmt: skip
     """render_prompt with one rule broken."""
 
     def render(messages, *, tools=None, add_generation_prompt=True, enable_thinking=None,
@@ -525,6 +657,8 @@ def _render_variant(keep_all_reasoning=False, no_empty_block=False, separate_too
         last, n = ref.last_query_index(messages), len(messages)
         if keep_all_reasoning:
             last = -1
+        if wrapped_is_query:
+            last = max([i for i, m in enumerate(messages) if m["role"] == "user"], default=n - 1)
         for i, m in enumerate(messages):
             role = m["role"]
             if role == "user" or (role == "system" and (i > 0 or system_twice)):
@@ -532,9 +666,10 @@ def _render_variant(keep_all_reasoning=False, no_empty_block=False, separate_too
             elif role == "assistant":
                 r, c = ref.split_reasoning(m)
                 last_rule = i == n - 1 and not no_empty_block
+                strip = str.strip if strip_spaces else (lambda text: text.strip("\n"))
                 if i > last and (last_rule or r):
-                    out += "<|im_start|>assistant\n<think>\n" + q(r.strip("\n"))
-                    out += "\n</think>\n\n" + q(c.lstrip("\n"))
+                    out += "<|im_start|>assistant\n<think>\n" + q(strip(r))
+                    out += "\n</think>\n\n" + q(c.lstrip() if strip_spaces else c.lstrip("\n"))
                 else:
                     out += "<|im_start|>assistant\n" + q(c)
                 for j, call in enumerate(m.get("tool_calls") or []):
@@ -571,6 +706,10 @@ for flag, idea in {
     "does not",
     "always_newline": "a tool call is preceded by a newline, except the first one when the "
     "content is empty",
+    "wrapped_is_query": "a user turn that only wraps a tool response is not a query: the "
+    "reasoning of the assistant turns after the last REAL query stays",
+    "strip_spaces": "only newlines are stripped around the reasoning and before the content of a "
+    "think block: spaces are text",
 }.items():
     mistake(PROMPT, idea, name=f"render_{flag}")(_render_variant(**{flag: True}))
 
@@ -602,6 +741,16 @@ parse_case("thinking=True, unterminated", "partial", ("partial", ""), True)
 parse_case("two </think>", "<think>a</think>b</think>c", ("a", "b</think>c"))
 TAGS = "Write <think> and </think> around it."
 parse_case("tags inside an answer", TAGS, ("", TAGS))
+parse_case(
+    "two <think> tags: the block is the first one's; the second is text of the reasoning",
+    "<think>a<think>b</think>c",
+    ("a<think>b", "c"),
+)
+parse_case(
+    "spaces around the reasoning and the answer are kept (only newlines are dropped)",
+    "<think> r \n</think>\n\n a ",
+    (" r ", " a "),
+)
 REPLIES = [
     "",
     "<think>",
@@ -656,6 +805,26 @@ def parse_anywhere(text, *, thinking=False):
     return ref.parse_reply(text, thinking=thinking)
 
 
+@mistake(
+    PARSE,
+    "only the <think> at the very start opens the block: a second <think> is text of the "
+    "reasoning (a reply is not a history turn; the template's split('<think>')[-1] is for those)",
+)
+def parse_last_think(text, *, thinking=False):
+    reasoning, answer = ref.parse_reply(text, thinking=thinking)
+    return reasoning.split("<think>")[-1].lstrip("\n"), answer
+
+
+@mistake(
+    PARSE,
+    "only NEWLINES are dropped around the reasoning and before the answer: spaces are text "
+    "(strip('\\n'), not strip())",
+)
+def parse_strips_spaces(text, *, thinking=False):
+    reasoning, answer = ref.parse_reply(text, thinking=thinking)
+    return reasoning.strip(), answer.lstrip()
+
+
 @mistake(PARSE, "the newlines around the reasoning and before the answer are dropped")
 def parse_no_strip(text, *, thinking=False):
     if not thinking and not text.startswith("<think>"):
@@ -708,6 +877,15 @@ stream_case("unterminated block: all thinking", ["<thi", "nk>\nhalf"])
 stream_case(
     "thinking=True, trailing newlines before </think> dropped", ["r\n", "\n</think>", "\n\nA"], True
 )
+stream_case(
+    "a cut just after a newline inside the reasoning: the newline is kept ('a\\nb')",
+    ["<think>\na\n", "b\n</think>\n\nc"],
+)
+stream_case(
+    "newlines at the end of a piece may come before </think>: held back, then dropped",
+    ["<think>\nabc\n", "\n</think>\n\nd"],
+)
+stream_case("spaces around the reasoning and the answer are kept", ["<think> r ", "</think> a "])
 STREAMED = [
     "<think>\na\n\nb\n</think>\n\nc\n",
     "<think></think>x",
@@ -780,6 +958,70 @@ class StreamNoHoldBack:
         return []
 
 
+class _EachEvent:
+    """The reference router with every event's text changed by `edit` (a mistake's)."""
+
+    edit = staticmethod(lambda text: text)
+
+    def __init__(self, thinking=False):
+        self.inner = ref.ThinkingStream(thinking)
+
+    def _edited(self, events):
+        return [(ch, self.edit(t)) for ch, t in events if self.edit(t)]
+
+    def feed(self, piece):
+        return self._edited(self.inner.feed(piece))
+
+    def close(self):
+        return self._edited(self.inner.close())
+
+
+@mistake(
+    STREAM,
+    "newlines INSIDE the reasoning are kept: a piece cut just after one ('a\\n' + 'b') must "
+    "still give 'a\\nb' (only those before </think> and after <think> are dropped)",
+)
+class StreamStripsEachPiece(_EachEvent):
+    edit = staticmethod(lambda text: text.strip("\n"))
+
+
+@mistake(
+    STREAM,
+    "only newlines are dropped around the reasoning and before the answer: spaces are text",
+)
+class StreamStripsSpaces(_EachEvent):
+    edit = staticmethod(str.strip)
+
+
+@mistake(
+    STREAM,
+    "newlines at the end of a piece may be the ones before </think>, which are dropped: hold "
+    "them back until the next piece decides",
+)
+class StreamEmitsNewlines:
+    """Holds back a possible start of </think>, but not the newlines before it."""
+
+    def __init__(self, thinking=False):
+        self.inner, self.thinking_out = ref.ThinkingStream(thinking), False
+
+    def _route(self, events, final):
+        out = []
+        for ch, t in events:
+            out.append((ch, t))
+        held = self.inner.pending
+        if self.inner.state == "thinking" and held.strip("\n") == "" and held and not final:
+            if not self.inner.fresh:
+                out.append(("thinking", held))  # out at once: cannot be dropped later
+                self.inner.pending = ""
+        return out
+
+    def feed(self, piece):
+        return self._route(self.inner.feed(piece), False)
+
+    def close(self):
+        return self._route(self.inner.close(), True)
+
+
 # --- budgeted_tokens ----------------------------------------------------------------------------
 
 BUDGET = "ch04.budgeted_tokens"
@@ -834,6 +1076,7 @@ budget_case("the model ends thinking itself within the budget: nothing forced", 
 budget_case("max_new_tokens=5: the 4 forced tokens at once, whole", 2, max_new=5)
 budget_case("max_new_tokens=4: no room for the forced tokens", 2, max_new=4)
 budget_case("thinking=True and budget 0: forced before any thinking token", 0, (5, THINK), True)
+budget_case("thinking off and budget 0: forced as soon as the model opens <think>, not before", 0)
 
 
 def _budget_hidden(g):
@@ -855,7 +1098,9 @@ def _budget_variant(kind):
             room = max_new_tokens - n
             limit = budget + 1 if kind == "off by one" else budget
             early = room == len(forced_ids) and kind not in ("cut", "not counted")
-            if inside and budget is not None and (spent >= limit or early) and not forced:
+            has_budget = bool(budget) if kind == "zero is none" else budget is not None
+            opened = inside or kind == "outside"
+            if opened and has_budget and (spent >= limit or early) and not forced:
                 if room < len(forced_ids) and kind == "past the budget":
                     forced = True  # keeps thinking instead of ending the reply
                     continue
@@ -896,6 +1141,10 @@ for kind, idea in {
     "past the budget": "budget spent with no room for the forced tokens: end the reply there, "
     "not think past the budget",
     "off by one": "stop after exactly `budget` thinking tokens (budget 3: three of them)",
+    "zero is none": "a budget of 0 is a budget (no thinking token at all), not 'no budget': "
+    "test `budget is not None`",
+    "outside": "the forced end closes a think block: insert it only inside one (with thinking "
+    "off, once the model has opened <think>)",
 }.items():
     mistake(BUDGET, idea, name=f"budget_{kind.replace(' ', '_')}")(_budget_variant(kind))
 
@@ -986,3 +1235,363 @@ def encode_each_piece(tokenizer, pieces):
 @mistake(ENCODE, "text a user typed must never become a control token")
 def encode_default(tokenizer, pieces):
     return tokenizer.encode("".join(p for p, _ in pieces))
+
+
+# --- the chat session: common prefix, prefill, what the history keeps ----------------------------
+
+PREFIX = "ch04.common_prefix_length"
+given(PREFIX, "[1, 2, 3, 4] and [1, 2, 9, 4]", ([1, 2, 3, 4], [1, 2, 9, 4]), 2)
+given(PREFIX, "one extends the other", ([5, 6], [5, 6, 7, 8]), 2)
+given(PREFIX, "the longer one first", ([5, 6, 7, 8], [5, 6]), 2)
+given(
+    PREFIX,
+    "equal again after a difference: the prefix ended",
+    ([1, 2, 3, 9, 5], [1, 2, 4, 9, 5]),
+    2,
+)
+given(PREFIX, "different from the first token", ([7, 1, 2], [8, 1, 2]), 0)
+given(PREFIX, "an empty list", ([], [3, 4]), 0)
+
+
+def _prefix_lists(g):
+    rng = _rng(g)
+    out = []
+    for _ in range(30):
+        a = [rng.randrange(4) for _ in range(rng.randint(0, 9))]
+        b = a[: rng.randint(0, len(a))] + [rng.randrange(4) for _ in range(rng.randint(0, 6))]
+        out.append((a, b) if rng.random() < 0.5 else (b, a))
+    return (out,)
+
+
+case(
+    PREFIX,
+    "random lists",
+    _prefix_lists,
+    lambda common_prefix_length, pairs: [common_prefix_length(a, b) for a, b in pairs],
+    hidden=True,
+)
+
+
+@mistake(
+    PREFIX,
+    "the PREFIX ends at the first difference: tokens that agree again after it cannot be reused "
+    "(their keys and values depend on every token before them)",
+)
+def prefix_counts_equal(a, b):
+    return sum(x == y for x, y in zip(a, b, strict=False))
+
+
+@mistake(
+    PREFIX,
+    "the new prompt does not simply extend the cached tokens (the template drops the last "
+    "reply's reasoning): count only while the two lists agree",
+)
+def prefix_shorter_length(a, b):
+    return min(len(a), len(b))
+
+
+@mistake(
+    PREFIX,
+    "the length of the common prefix: the number of tokens that agree, not the index of the "
+    "last one",
+)
+def prefix_last_index(a, b):
+    return ref.common_prefix_length(a, b) - 1 if ref.common_prefix_length(a, b) else 0
+
+
+PREFILL = "ch04.prefill"
+P_VOCAB = 64
+
+
+@functools.cache
+def _prefill_model(dtype_name: str):
+    """A tiny random Qwen3 (QK-Norm, grouped KV heads) in float32 or bfloat16."""
+    from qwen_mini.config import Config
+    from qwen_mini.model import CausalLM
+
+    cfg = Config(
+        model_type="qwen3", vocab_size=P_VOCAB, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        max_position_embeddings=128, rope_theta=10000.0, tie_word_embeddings=True,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(404)
+        model = CausalLM(cfg)
+        with torch.no_grad():  # larger weights than the init: logits that differ visibly
+            for p in model.parameters():
+                p.copy_(torch.rand(p.shape) * 0.6 - 0.3)
+    return model.to(getattr(torch, dtype_name)).eval()
+
+
+def _filled(model, cached):
+    """A new cache holding `cached`, as a session's cache holds the tokens it ran."""
+    cache = model.new_cache(batch_size=1)
+    if cached:
+        with torch.no_grad():
+            model(torch.tensor([cached]), cache=cache)
+    return cache
+
+
+def _prefill_inputs(cached, ids, dtype="float32"):
+    def inputs(g):
+        model = _prefill_model(dtype)
+        return model, _filled(model, cached), list(cached), list(ids)
+
+    return inputs
+
+
+def _prefill(prefill, model, cache, cached, ids):
+    logits, reused = prefill(model, cache, cached, ids)
+    if isinstance(logits, torch.Tensor):
+        logits = logits.detach()
+    return {
+        "tokens reused (the second value returned)": reused,
+        "tokens the cache holds afterwards (cache.length: the whole new prompt)": cache.length,
+        "logits [vocab] after the prompt, against a full re-encode without cache": logits,
+    }
+
+
+def _reencoded(reused):
+    """Expected: `reused` worked out by hand, the cache holding the prompt, and the logits of a
+    fresh forward pass over the whole prompt without any cache (float32)."""
+
+    def expected(model, cache, cached, ids):
+        with torch.no_grad():
+            fresh = model(torch.tensor([ids]))[0, -1].float()
+        return {
+            "tokens reused (the second value returned)": reused,
+            "tokens the cache holds afterwards (cache.length: the whole new prompt)": len(ids),
+            "logits [vocab] after the prompt, against a full re-encode without cache": fresh,
+        }
+
+    return expected
+
+
+def prefill_case(name, cached, ids, reused, dtype="float32", hidden=False):
+    tol = 2e-2 if dtype == "bfloat16" else 1e-4  # bf16: one rounding of 8 bits, cut differently
+    inputs = _prefill_inputs(cached, ids, dtype)
+    case(PREFILL, name, inputs, _prefill, _reencoded(reused), tol, tol, hidden=hidden)
+
+
+# a conversation in a vocabulary of 64: the prompt, the reply with its reasoning (30 31 32 in
+# its think block 40 ... 41), and the next prompt, where the template wrote the reply without it
+_P = [1, 2, 3, 4, 5]
+_REPLY = [40, 30, 31, 32, 41, 20, 21]
+_NEXT = _P + [20, 21, 6, 1, 7, 8, 9]
+prefill_case("the new prompt extends what the cache holds", _P, _P + [6, 7, 8], 5)
+prefill_case(
+    "the cache holds the last reply WITH its reasoning, the new prompt writes it without: reuse "
+    "the common prefix, cut the cache there, compute the rest",
+    _P + _REPLY,
+    _NEXT,
+    5,
+)
+prefill_case("an empty cache: everything is computed", [], _NEXT, 0)
+prefill_case(
+    "the new prompt is shorter than the cache and agrees with it (a turn taken back): compute at "
+    "least its last token, whose logits are the answer",
+    _NEXT + [10, 11],
+    _NEXT,
+    len(_NEXT) - 1,
+)
+prefill_case("the same prompt again: all but the last token reused", _NEXT, _NEXT, len(_NEXT) - 1)
+prefill_case(
+    "a bfloat16 model: the logits come back as float32",
+    _P + _REPLY,
+    _NEXT,
+    5,
+    dtype="bfloat16",
+)
+
+
+def _prefill_hidden(g):
+    rng = _rng(g)
+    shared = [rng.randrange(1, P_VOCAB) for _ in range(rng.randint(1, 9))]
+    cached = shared + [rng.randrange(1, P_VOCAB) for _ in range(rng.randint(0, 8))]
+    ids = shared + [rng.randrange(1, P_VOCAB) for _ in range(rng.randint(0, 8))]
+    return cached, ids
+
+
+for n in range(4):
+
+    def _hidden_inputs(g, n=n):
+        cached, ids = _prefill_hidden(g)
+        model = _prefill_model("float32")
+        return model, _filled(model, cached), cached, ids
+
+    def _hidden_expected(model, cache, cached, ids):
+        reused = min(ref.common_prefix_length(cached, ids), len(ids) - 1)
+        return _reencoded(reused)(model, cache, cached, ids)
+
+    case(
+        PREFILL, f"other prompts {n + 1}", _hidden_inputs, _prefill, _hidden_expected,
+        1e-4, 1e-4, hidden=True,
+    )  # fmt: skip
+
+
+def _run_rest(model, cache, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids]), cache=cache, last_only=True)[0, -1].float()
+
+
+@mistake(
+    PREFILL,
+    "cut the cache to the common prefix (cache.truncate(reused)) before computing the rest: "
+    "otherwise the old reply, with its reasoning, stays in the model's context",
+)
+def prefill_no_truncate(model, cache, cached, ids):
+    reused = min(ref.common_prefix_length(cached, ids), len(ids) - 1)
+    return _run_rest(model, cache, ids[reused:]), reused
+
+
+@mistake(
+    PREFILL,
+    "the new prompt does not extend the cached tokens: reuse only their COMMON PREFIX "
+    "(common_prefix_length), not everything the cache holds",
+)
+def prefill_assumes_extension(model, cache, cached, ids):
+    reused = min(len(cached), len(ids) - 1)
+    return _run_rest(model, cache, ids[reused:]), reused
+
+
+@mistake(
+    PREFILL,
+    "reuse the cached prefix: compute only the tokens after it (the point of keeping the cache)",
+)
+def prefill_recomputes_all(model, cache, cached, ids):
+    cache.truncate(0)
+    return _run_rest(model, cache, ids), 0
+
+
+@mistake(
+    PREFILL,
+    "the logits are float32 ([vocab], sampled in float32), whatever the model's dtype",
+)
+def prefill_model_dtype(model, cache, cached, ids):
+    reused = min(ref.common_prefix_length(cached, ids), len(ids) - 1)
+    cache.truncate(reused)
+    with torch.no_grad():
+        return model(torch.tensor([ids[reused:]]), cache=cache, last_only=True)[0, -1], reused
+
+
+@mistake(
+    PREFILL,
+    "compute at least one token: the logits after the prompt are those of its LAST token, so "
+    "when the whole prompt is cached, its last token is computed again",
+)
+def prefill_logits_of_cached(model, cache, cached, ids):
+    reused = ref.common_prefix_length(cached, ids)
+    if reused < len(ids):
+        return ref.prefill(model, cache, cached, ids)
+    cache.truncate(len(ids) - 1)  # ... then returns the count of the whole prefix
+    return _run_rest(model, cache, ids[-1:]), reused
+
+
+REPLY = "ch04.reply_message"
+
+
+def _reply(reply_message, text, thinking):
+    m = reply_message(text, thinking)
+    if not isinstance(m, dict):
+        raise AssertionError(
+            f"reply_message must return a message (a dict), got {type(m).__name__}"
+        )
+    question = [U("What is 2+2?")]
+    return {
+        "the message": m,
+        "the turn as the official template writes it (the last turn: reasoning kept)": official(
+            question + [m], add_generation_prompt=False
+        ),
+        "the history once a new query follows (the template drops the reasoning)": official(
+            question + [m, U("And 3+3?")]
+        ),
+    }
+
+
+def _reply_expected(reasoning, answer):
+    def expected(text, thinking):
+        m = {"role": "assistant", "content": answer, "reasoning_content": reasoning}
+        return _reply(lambda *_: m, text, thinking)
+
+    return expected
+
+
+def reply_case(name, text, thinking, reasoning, answer):
+    case(REPLY, name, lambda g: (text, thinking), _reply, _reply_expected(reasoning, answer))
+
+
+reply_case(
+    "thinking on: the reply starts inside the think block the prompt opened",
+    "The sum is small.\n</think>\n\n4",
+    True,
+    "The sum is small.",
+    "4",
+)
+reply_case("thinking off: all answer", "4", False, "", "4")
+reply_case(
+    "thinking on, cut before </think>: all reasoning, no answer yet",
+    "Let me add 2 and",
+    True,
+    "Let me add 2 and",
+    "",
+)
+reply_case(
+    "spaces around the answer are the answer's (only newlines are dropped)",
+    "r\n</think>\n\n 4 ",
+    True,
+    "r",
+    " 4 ",
+)
+REPLIES_KEPT = [
+    ("a\n\nb\n</think>\n\nc", True),
+    ("\n</think>\n\n", True),
+    ("x</think>y</think>z", True),
+    ("<think>\nr\n</think>\n\nA", False),
+    ("plain", False),
+    ("答え 🙂", True),
+]
+case(
+    REPLY,
+    "other replies",
+    lambda g: (_rng(g).sample(REPLIES_KEPT, len(REPLIES_KEPT)),),
+    lambda reply_message, replies: [reply_message(t, th) for t, th in replies],
+    hidden=True,
+)
+
+
+@mistake(
+    REPLY,
+    "the history keeps the answer as `content` and the reasoning as `reasoning_content` "
+    "(parse_reply splits them), not the raw reply",
+)
+def reply_raw(text, thinking):
+    return {"role": "assistant", "content": text}
+
+
+@mistake(
+    REPLY,
+    "with thinking on the prompt opened the think block, so the reply starts INSIDE it: "
+    "parse_reply(text, thinking=True)",
+)
+def reply_thinking_not_passed(text, thinking):
+    reasoning, answer = ref.parse_reply(text)
+    return {"role": "assistant", "content": answer, "reasoning_content": reasoning}
+
+
+@mistake(
+    REPLY,
+    "keep the reasoning in reasoning_content: the template itself drops it once a new query "
+    "follows, and writes it while the turn is still the last one",
+)
+def reply_drops_reasoning(text, thinking):
+    return {"role": "assistant", "content": ref.parse_reply(text, thinking=thinking)[1]}
+
+
+@mistake(
+    REPLY,
+    "only the newlines around the reasoning and at the start of the answer are dropped: spaces "
+    "are text (.strip() removes both)",
+)
+def reply_strips_spaces(text, thinking):
+    reasoning, answer = ref.parse_reply(text, thinking=thinking)
+    return {"role": "assistant", "content": answer.strip(), "reasoning_content": reasoning.strip()}

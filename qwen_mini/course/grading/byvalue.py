@@ -290,6 +290,8 @@ def _sig(value):
         return (id(value), tuple((id(k), id(x)) for k, x in value.items()))
     if type(value) is set:
         return (id(value), frozenset(id(x) for x in value))
+    if isinstance(value, torch.Tensor) and value.is_inference():
+        return object()  # made under torch.inference_mode: no version counter; always sent back
     if isinstance(value, torch.Tensor):  # written in place (a cache's slots)
         return (id(value), value._version)
     return id(value)
