@@ -275,9 +275,10 @@ case(
 
 def _mask_gradient(decay_mask, G, weights):
     """The mask and d(sum(weights * mask))/dG: the tiny model trains through the chunk form."""
-    G = G.clone().requires_grad_(True)
-    M = decay_mask(G)
-    (M * weights).sum().backward()
+    with torch.enable_grad():  # (a grader may run checks with gradients off)
+        G = G.clone().requires_grad_(True)
+        M = decay_mask(G)
+        (M * weights).sum().backward()
     return {"mask": M.detach(), "gradient d(sum w * M)/dG": G.grad}
 
 
@@ -570,17 +571,18 @@ case(
 
 def _loop_gradient(chunk_loop, q, k, v, g, beta, S0, C):
     """Gradients of the output through the loop (the tiny model trains through it)."""
-    v = v.clone().requires_grad_(True)
-    with _chunk_rule_with(chunk_loop) as chunk_gated_delta_rule:
+    with torch.enable_grad(), _chunk_rule_with(chunk_loop) as chunk_gated_delta_rule:
+        v = v.clone().requires_grad_(True)
         out, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=C, initial_state=S0)
-    out.pow(2).sum().backward()
+        out.pow(2).sum().backward()
     return {"gradient of sum(out^2) with respect to v": v.grad}
 
 
 def _recurrent_gradient(q, k, v, g, beta, S0, C):
-    v = v.clone().requires_grad_(True)
-    out, _ = ref.recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=S0)
-    out.pow(2).sum().backward()
+    with torch.enable_grad():
+        v = v.clone().requires_grad_(True)
+        out, _ = ref.recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=S0)
+        out.pow(2).sum().backward()
     return {"gradient of sum(out^2) with respect to v": v.grad}
 
 
@@ -1795,7 +1797,13 @@ def _deltanet(GatedDeltaNet, cfg, seed, x, pieces, dtype=torch.float32):
     out = {}
     with torch.no_grad():
         out["output, no cache"] = mine(x)
-        state = mine.new_state(x.shape[0], dtype)
+        # the checks' own state object (the package's), as chapter 1's checks pass a KVCache
+        state = ref.DeltaNetState(
+            x.shape[0], cfg.linear_num_key_heads * cfg.linear_key_head_dim * 2
+            + cfg.linear_num_value_heads * cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim,
+            cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+            dtype, "cpu",
+        )  # fmt: skip
         outs, start = [], 0
         for n in pieces:
             outs.append(mine(x[:, start : start + n], cache=state))
