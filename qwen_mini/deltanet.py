@@ -296,21 +296,21 @@ class DeltaNetState:
             batch_size, n_heads, d_k, d_v, dtype=torch.float32, device=device
         )
         self.length = 0  # tokens committed
-        self._staged = None
+        self.staged_conv = self.staged_recurrent = None  # what update staged, until commit
 
     def update(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         """Stage the states after this pass (new tensors; the current ones stay as they are)."""
-        self._staged = (conv, recurrent.float())
+        self.staged_conv, self.staged_recurrent = conv, recurrent.float()
 
     def commit(self, n_tokens: int) -> None:
         """The pass over n_tokens finished in every layer: its states become the current ones."""
-        if self._staged is not None:
-            self.conv, self.recurrent = self._staged
-            self._staged = None
+        if self.staged_conv is not None:
+            self.conv, self.recurrent = self.staged_conv, self.staged_recurrent
+            self.staged_conv = self.staged_recurrent = None
         self.length += n_tokens
 
     def discard(self) -> None:
-        self._staged = None
+        self.staged_conv = self.staged_recurrent = None
 
     def truncate(self, n: int) -> None:
         if n != self.length:

@@ -49,28 +49,23 @@ def test_the_token_by_token_reference_equals_transformers(n_v, T):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
 
-def test_the_decay_mask_gradient_reference_is_the_hand_derivative():
-    """d/dG of sum(w * M) by finite differences, on decays where no entry overflows."""
-    G = (-torch.rand(6, generator=torch.Generator().manual_seed(0)) * 2).cumsum(-1).double()
-    w = torch.rand(6, 6, generator=torch.Generator().manual_seed(1)).double()
-    grad = ch05._naive_mask_gradient(G, w)["gradient d(sum w * M)/dG"]
-    for i in range(6):
-        step = torch.zeros(6, dtype=torch.float64)
-        step[i] = 1e-6
-
-        def f(g):
-            return float((deltanet.decay_mask(g) * w).sum())
-
-        assert abs((f(G + step) - f(G - step)) / 2e-6 - float(grad[i])) < 1e-6
-
-
 def test_strong_decays_give_nan_gradients_for_exp_then_tril():
-    """The mistake the gradient case is there for really is silent in the forward pass."""
+    """The mistake the overflow case is there for is silent in the forward pass, its gradient
+    is NaN, and the observation the case makes sees it (and not the package's mask)."""
+    from qwen_mini.course.observing import observe
+
     G = torch.tensor([0.0, -400.0, -1200.0], dtype=torch.float64, requires_grad=True)
-    M = ch05.mask_exp_tril(G)
-    assert torch.isfinite(M).all()
+    with observe("overflows") as seen:
+        M = ch05.mask_exp_tril(G)
+    assert torch.isfinite(M).all() and seen.value == ["exp"]
     M.sum().backward()
     assert G.grad.isnan().any()
+    G.grad = None
+    with observe("overflows") as seen:
+        M = deltanet.decay_mask(G)
+    assert seen.value == []
+    M.sum().backward()
+    assert torch.isfinite(G.grad).all()
 
 
 def test_chapter_5_model_is_built_from_the_learners_blocks(tmp_path, qwen_mini):  # noqa: F811
