@@ -173,6 +173,13 @@ class Attention(nn.Module):
         return KVCache(batch_size, self.n_kv_heads, self.head_dim, dtype, device or "cpu")
 
 
+def split_query_gate(q_proj_out: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T, H * 2D] -> (q, gate) [B, T, H, D] each: per head, D query dims then D gate dims."""
+    B, T, _ = q_proj_out.shape
+    q, gate = q_proj_out.reshape(B, T, n_heads, -1).chunk(2, dim=-1)  # per head: query | gate
+    return q, gate
+
+
 class GatedAttention(Attention):
     """Qwen3.5's full attention: `Attention` with an output gate and partial RoPE (its q/k norms
     are the row's, zero-centred). q_proj makes 2 * head_dim per head: query then gate."""
@@ -185,8 +192,7 @@ class GatedAttention(Attention):
     def forward(self, x, cos, sin, cache: KVCache | None = None):
         """x [B, T, hidden] -> [B, T, hidden]; cos, sin [T, rotary_dim] (rotary_dim <= head_dim)."""
         B, T, _ = x.shape
-        D = self.head_dim
-        q, gate = self.q_proj(x).view(B, T, self.n_heads, 2 * D).split(D, dim=-1)  # interleaved
+        q, gate = split_query_gate(self.q_proj(x), self.n_heads)  # [B, T, H, D] each
         q = self.q_norm(q.transpose(1, 2))  # [B, H, T, D]: norm before RoPE, as in Qwen3
         k = self.k_norm(split_heads(self.k_proj(x), self.n_kv_heads))  # [B, H_kv, T, D]
         v = split_heads(self.v_proj(x), self.n_kv_heads)

@@ -25,11 +25,6 @@ from qwen_mini.config import Config
 from qwen_mini.norms import GatedRMSNorm
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dimension (the convention of the released kernels)."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
 def expand_key_heads(x: torch.Tensor, n_value_heads: int) -> torch.Tensor:
     """[B, T, H_k, d] -> [B, T, H_v, d]: value head j gets key head j // (H_v / H_k)."""
     ratio = n_value_heads // x.shape[2]
@@ -242,6 +237,48 @@ def causal_conv1d(
     return y, full[:, :, full.shape[-1] - conv_state.shape[-1] :]
 
 
+def deltanet_gates(
+    b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(beta, g) [B, T, H_v] from b, a [B, T, H_v] and the per-head weights A_log, dt_bias [H_v].
+
+    beta = sigmoid(b), in b's dtype: how much of the error each token writes (0..1).
+    g = -exp(A_log) * softplus(a + dt_bias), in float32: the log-decay, < 0.
+    """
+    beta = b.sigmoid()
+    # both factors are positive, so g < 0: exp(g) in (0, 1) is the fraction of the state kept
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return beta, g
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dimension (the convention of the released kernels)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def conv_qkv(
+    qkv: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    n_k: int,
+    d_k: int,
+    n_v: int,
+    d_v: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """in_proj_qkv's output [B, T, 2 n_k d_k + n_v d_v] -> (q, k [B, T, n_k, d_k] float32, unit
+    length; v [B, T, n_v, d_v] in qkv's dtype; the new conv state [B, conv_dim, K-1]).
+
+    Causal conv over time (continuing from conv_state), SiLU, split into q | k | v heads.
+    """
+    B, T, _ = qkv.shape
+    mixed, new_state = causal_conv1d(qkv.transpose(1, 2), weight, conv_state)  # [B, C, T]
+    mixed = F.silu(mixed).transpose(1, 2)  # [B, T, conv_dim]
+    q, k, v = mixed.split([n_k * d_k, n_k * d_k, n_v * d_v], dim=-1)
+    q = l2norm(q.reshape(B, T, n_k, d_k).float())  # unit length, in float32
+    k = l2norm(k.reshape(B, T, n_k, d_k).float())
+    return q, k, v.reshape(B, T, n_v, d_v), new_state
+
+
 class DeltaNetState:
     """One Gated DeltaNet layer's memory of every token seen: a fixed size, whatever the length.
 
@@ -259,21 +296,21 @@ class DeltaNetState:
             batch_size, n_heads, d_k, d_v, dtype=torch.float32, device=device
         )
         self.length = 0  # tokens committed
-        self._staged = None
+        self.staged_conv = self.staged_recurrent = None  # what update staged, until commit
 
     def update(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         """Stage the states after this pass (new tensors; the current ones stay as they are)."""
-        self._staged = (conv, recurrent.float())
+        self.staged_conv, self.staged_recurrent = conv, recurrent.float()
 
     def commit(self, n_tokens: int) -> None:
         """The pass over n_tokens finished in every layer: its states become the current ones."""
-        if self._staged is not None:
-            self.conv, self.recurrent = self._staged
-            self._staged = None
+        if self.staged_conv is not None:
+            self.conv, self.recurrent = self.staged_conv, self.staged_recurrent
+            self.staged_conv = self.staged_recurrent = None
         self.length += n_tokens
 
     def discard(self) -> None:
-        self._staged = None
+        self.staged_conv = self.staged_recurrent = None
 
     def truncate(self, n: int) -> None:
         if n != self.length:
@@ -332,16 +369,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(value_dim, hidden, bias=False)
 
     def new_state(self, batch_size: int, dtype: torch.dtype, device=None) -> DeltaNetState:
-        return DeltaNetState(
-            batch_size,
-            self.conv_dim,
-            self.kernel_size,
-            self.n_v,
-            self.d_k,
-            self.d_v,
-            dtype,
-            device,
-        )
+        shape = (self.conv_dim, self.kernel_size, self.n_v, self.d_k, self.d_v)
+        return DeltaNetState(batch_size, *shape, dtype, device)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [B, T, hidden] -> the four input projections: qkv [B, T, conv_dim] (all q, all k,
@@ -349,14 +378,13 @@ class GatedDeltaNet(nn.Module):
         (Qwen3-Next: fused, grouped per key head) overrides only this."""
         return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
-    def decay(self, a: torch.Tensor) -> torch.Tensor:
-        """a [B, T, H_v] (the decay input) -> g [B, T, H_v], <= 0: exp(g) is the fraction of the
-        state each token keeps. In float32, so that exp(A_log) cannot overflow."""
-        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+    def gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(beta, g) [B, T, H_v] with this layer's A_log and dt_bias."""
+        return deltanet_gates(b, a, self.A_log, self.dt_bias)
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, hidden] -> g [B, T, H_v]: the decay of each token, from the layer's input."""
-        return self.decay(self.project(x)[3])
+        return self.gates(*self.project(x)[2:])[1]
 
     def forward(self, x, cos=None, sin=None, cache: DeltaNetState | None = None):
         """x [B, T, hidden] -> [B, T, hidden]. cos, sin are unused (no positions: order comes
@@ -364,29 +392,19 @@ class GatedDeltaNet(nn.Module):
         stage the new ones."""
         B, T, _ = x.shape
         qkv, z, b, a = self.project(x)
-        qkv = qkv.transpose(1, 2)  # [B, conv_dim, T]: channels first for conv
+        if cache is not None:  # continue from what the cache has seen
+            conv_state, state = cache.conv, cache.recurrent
+        else:  # no history: zero inputs before token 0, an empty memory
+            conv_state, state = qkv.new_zeros(B, self.conv_dim, self.kernel_size - 1), None
+        heads = (self.n_k, self.d_k, self.n_v, self.d_v)
+        q, k, v, new_conv = conv_qkv(qkv, self.conv1d.weight, conv_state, *heads)
+        beta, g = self.gates(b, a)
+        # decoding one token: a step of the recurrence; a prompt or a piece of one: chunks
+        decoding = cache is not None and T == 1
+        rule = recurrent_gated_delta_rule if decoding else chunk_gated_delta_rule
+        out, new_state = rule(q, k, v, g, beta, initial_state=state)
         if cache is not None:
-            conv_state = cache.conv  # [B, conv_dim, K-1]: the inputs of the last K-1 tokens
-        else:  # no history: the K-1 inputs before token 0 are zeros
-            conv_state = qkv.new_zeros(B, self.conv_dim, self.kernel_size - 1)
-        qkv, new_conv = causal_conv1d(qkv, self.conv1d.weight, conv_state)
-        qkv = F.silu(qkv).transpose(1, 2)  # [B, T, conv_dim]
-        key_dim = self.n_k * self.d_k
-        q, k, v = qkv.split([key_dim, key_dim, self.n_v * self.d_v], dim=-1)
-        q = l2norm(q.reshape(B, T, self.n_k, self.d_k).float())  # [B, T, H_k, d_k]
-        k = l2norm(k.reshape(B, T, self.n_k, self.d_k).float())
-        v = v.reshape(B, T, self.n_v, self.d_v)  # [B, T, H_v, d_v]
-        beta = b.sigmoid()  # [B, T, H_v]: how much of the error to write
-        g = self.decay(a)  # [B, T, H_v]
-
-        state = cache.recurrent if cache is not None else None
-        if cache is not None and T == 1:  # decoding: one step of the recurrence
-            out, new_state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state)
-        else:  # a prompt or a piece of one: chunks, continuing from the cached state
-            out, new_state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state)
-        if cache is not None:
-            cache.update(new_conv, new_state)
-
+            cache.update(new_conv, new_state)  # staged: the model commits after every layer
         z = z.reshape(B, T, self.n_v, self.d_v)
-        out = self.norm(out.to(x.dtype), z)  # [B, T, H_v, d_v]
+        out = self.norm(out.to(x.dtype), z)  # [B, T, H_v, d_v]: per value head, gated by z
         return self.out_proj(out.reshape(B, T, -1))

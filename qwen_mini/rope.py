@@ -35,5 +35,5 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on the first cos.shape[-1] dims of each head of x [B, H, T, D]; the rest pass as is."""
-    r = cos.shape[-1]
+    r = cos.shape[-1]  # the rotary width (64 of Qwen3.5's 256)
     return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)

@@ -281,6 +281,7 @@ NAMED_BY_STAGE = {
     ("ch00.read_safetensors_header", "header_whole_file"),
     ("ch00.read_safetensors_header", "source"),
     ("ch01.attention_weights", "weights_low_precision"),
+    ("ch05.decay_mask", "mask_exp_tril"),
 }
 
 CORPUS = corpus()

@@ -353,7 +353,12 @@ BLOCKS = {
     "ch01.Attention": "full_attention",
     "ch01.DecoderLayer": "layer",
     "ch01.model_forward": "forward",
+    # chapter 5: Qwen3.5's blocks (listed only for rows built from them)
+    "ch05.GatedDeltaNet": "linear_attention",
+    "ch05.GatedAttention": "full_attention",
+    "ch05.ZeroCentredRMSNorm": "norm",
 }
+ONLY_WHERE_USED = {"ch05.GatedDeltaNet", "ch05.GatedAttention", "ch05.ZeroCentredRMSNorm"}
 
 
 def _dense_mlp(mlp_class):
@@ -373,6 +378,7 @@ def architecture(model_type: str, pieces: dict[str, Piece]):
         "norm": row.norm,
         "mlp": row.mlp,
         "full_attention": row.mixers.get("full_attention"),
+        "linear_attention": row.mixers.get("linear_attention"),
         "layer": row.layer,
         "forward": row.forward,
     }
@@ -384,13 +390,15 @@ def architecture(model_type: str, pieces: dict[str, Piece]):
         piece = pieces[exercise_id]
         label = f"{slot} ({exercise_id})"
         if package[slot] is not checking.reference(exercise_id):
-            table.append((label, "package", f"{model_type} has a {slot} of its own"))
+            if exercise_id not in ONLY_WHERE_USED:
+                table.append((label, "package", f"{model_type} has a {slot} of its own"))
             continue
         if piece.whose == "learner":
             blocks[slot] = _dense_mlp(piece.obj) if slot == "mlp" else piece.obj
         table.append((label, piece.whose, piece.note))
-    if "full_attention" in blocks:
-        blocks["mixers"] = {"full_attention": blocks.pop("full_attention")}
+    mixers = {t: blocks.pop(t) for t in ("full_attention", "linear_attention") if t in blocks}
+    if mixers:
+        blocks["mixers"] = mixers
     return row.with_blocks(**blocks), table
 
 

@@ -64,7 +64,30 @@ class PeakMemory:
                 tracemalloc.stop()
 
 
-OBSERVERS = {"softmax_dtypes": SoftmaxDtypes, "peak_memory": PeakMemory}
+class Overflows(torch.overrides.TorchFunctionMode):
+    """The names of the operations whose floating-point result holds +inf or NaN. A -inf is
+    not one: masking with -inf before `exp` is how a mask stays finite; `exp` of a large
+    positive number is not, and even when a later `tril` or `where` zeroes it, the backward
+    pass multiplies that inf by 0 and the gradient is NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.value = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.is_floating_point() and not out.is_meta:
+            if (out.isnan() | (out == float("inf"))).any():
+                self.value.append(getattr(func, "__name__", str(func)))
+        return out
+
+    @contextlib.contextmanager
+    def around(self):
+        with self:
+            yield
+
+
+OBSERVERS = {"softmax_dtypes": SoftmaxDtypes, "peak_memory": PeakMemory, "overflows": Overflows}
 
 _sandbox = None  # while the grader runs checks: kind -> a context manager observing there
 
