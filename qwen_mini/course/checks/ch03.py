@@ -527,33 +527,6 @@ case(
 )
 
 
-def _gradient(value, inputs) -> list:
-    """d value / d each input, or a word saying why there is none."""
-    if not (isinstance(value, torch.Tensor) and value.requires_grad):
-        return ["none: the result does not depend differentiably on the logits"] * len(inputs)
-    grads = torch.autograd.grad(value, inputs, allow_unused=True)
-    return [g if g is not None else "none: this input's logits do not reach it" for g in grads]
-
-
-def _statistics_gradient(routing_statistics, logits, k):
-    """The statistics, and the gradient of a weighted sum of prob_sums (a plain sum is always N:
-    the softmax sums to 1) w.r.t. the logits: the balancing loss trains the router through it."""
-    logits = logits.clone().requires_grad_(True)
-    counts, prob_sums, n = _statistics(routing_statistics, logits, k).values()
-    weighted = (
-        (prob_sums * torch.arange(1.0, logits.shape[-1] + 1)).sum()
-        if (isinstance(prob_sums, torch.Tensor) and prob_sums.shape == logits.shape[-1:])
-        else None
-    )
-    return {
-        "counts [E] (summing to N * k)": counts,
-        "prob_sums [E] (softmax over ALL experts)": prob_sums,
-        "gradient of prob_sums w.r.t. the logits (the loss trains the router through P_e)": (
-            _gradient(weighted, [logits])[0]
-        ),
-    }
-
-
 def _unused_last(g):  # 12 tokens, 6 experts, k = 2; expert 5 scores lowest for every token
     logits = randn(12, 6, g=g)
     logits[:, 5] = -10.0
@@ -562,9 +535,9 @@ def _unused_last(g):  # 12 tokens, 6 experts, k = 2; expert 5 scores lowest for 
 
 case(
     "ch03.routing_statistics",
-    "12 tokens, 6 experts, k=3; the gradient of prob_sums reaches the logits",
+    "12 tokens, 6 experts, k=3",
     lambda g: (randn(12, 6, g=g) * 2, 3),
-    _statistics_gradient,
+    _statistics,
     atol=1e-5,
     rtol=1e-5,
     seed=51,
@@ -647,15 +620,6 @@ def stats_in_the_logits_dtype(logits, k):
     return counts.to(logits.dtype), probs.sum(0), logits.shape[0]
 
 
-@mistake(
-    "ch03.routing_statistics",
-    "prob_sums is detached from the logits: the balancing loss trains the router through P_e, "
-    "so compute the softmax from the logits themselves (no .detach(), no torch.no_grad())",
-)
-def stats_detached(logits, k):
-    return lab.routing_statistics(logits.detach(), k)
-
-
 # --- load_balancing_loss --------------------------------------------------------------------------
 
 
@@ -706,20 +670,10 @@ case(
 )
 
 
-def _loss_gradient(load_balancing_loss, router_logits, k):
-    logits = [x.clone().requires_grad_(True) for x in router_logits]
-    loss = load_balancing_loss(logits, k)
-    return {
-        "loss": loss.detach() if isinstance(loss, torch.Tensor) else loss,
-        "gradient of the loss w.r.t. each layer's logits (through P_e)": _gradient(loss, logits),
-    }
-
-
 case(
     "ch03.load_balancing_loss",
-    "two layers, E=6, k=3, and the loss's gradient w.r.t. the logits",
+    "two layers, E=6, k=3",
     _layers(2, 12, 6, 3),
-    _loss_gradient,
     atol=1e-6,
     rtol=1e-5,
     seed=62,
@@ -762,15 +716,6 @@ def loss_mean_of_layers(router_logits, k):
 @mistake("ch03.load_balancing_loss", "k is hard-coded: use the k given")
 def loss_k_hard_coded(router_logits, k):
     return lab.load_balancing_loss(router_logits, 2)
-
-
-@mistake(
-    "ch03.load_balancing_loss",
-    "the loss is built from detached logits: it must train the router, so P_e comes from the "
-    "logits themselves (no .detach(), no torch.no_grad())",
-)
-def loss_detached(router_logits, k):
-    return lab.load_balancing_loss([x.detach() for x in router_logits], k)
 
 
 # --- global_load_balancing_loss -------------------------------------------------------------------
@@ -816,23 +761,10 @@ case(
 )
 
 
-def _global_gradient(global_loss, micro_batches, k):
-    micro = [[x.clone().requires_grad_(True) for x in m] for m in micro_batches]
-    loss = global_loss(micro, k)
-    return {
-        "loss": loss.detach() if isinstance(loss, torch.Tensor) else loss,
-        "gradient of the loss w.r.t. every micro-batch's logits": _gradient(
-            loss, [x for m in micro for x in m]
-        ),
-    }
-
-
 case(
     "ch03.global_load_balancing_loss",
-    "micro-batches of 3, 9 and 5 tokens (a mean over micro-batches weighs them wrongly), k=2, "
-    "and the loss's gradient",
+    "micro-batches of 3, 9 and 5 tokens (a mean over micro-batches weighs them wrongly), k=2",
     _domains([3, 9, 5], 8, 2, 2),
-    _global_gradient,
     atol=1e-6,
     rtol=1e-5,
     seed=81,
@@ -879,15 +811,6 @@ def global_mean_of_micro_fractions(micro_batches, k):
         ps.append(sum(s[1] for s in stats) / rows)
     f, P = torch.stack(fs).mean(0), torch.stack(ps).mean(0)
     return micro_batches[0][0].shape[-1] * (f * P).sum()
-
-
-@mistake(
-    "ch03.global_load_balancing_loss",
-    "the loss is built from detached logits: it must train the routers, so P_e comes from the "
-    "logits themselves (no .detach(), no torch.no_grad())",
-)
-def global_detached(micro_batches, k):
-    return lab.global_load_balancing_loss([[x.detach() for x in m] for m in micro_batches], k)
 
 
 # --- split_mlp ------------------------------------------------------------------------------------
