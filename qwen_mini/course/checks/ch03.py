@@ -993,14 +993,17 @@ def _moe_run(block_class, args, weights, x):
         calls[e] += 1
         rows[e] += n_rows
 
+    block.to(x.dtype).load_state_dict(weights)  # its own experts first: all names must fit
     if fused:
-        block.experts = _CountedFused(E, H, I)
-        block.experts.count = count
+        experts = _CountedFused(E, H, I)
+        experts.count = count
     else:
-        block.experts = nn.ModuleList(_CountedMLP(H, I) for _ in range(E))
-        for e, expert in enumerate(block.experts):
+        experts = nn.ModuleList(_CountedMLP(H, I) for _ in range(E))
+        for e, expert in enumerate(experts):
             expert.count = lambda n_rows, e=e: count(n_rows, e)
-    block.to(x.dtype).load_state_dict(weights)
+    own = {k.removeprefix("experts."): v for k, v in weights.items() if k.startswith("experts.")}
+    experts.to(x.dtype).load_state_dict(own)  # here, before they go in: the block's code may
+    block.experts = experts  # read the experts' weights, never change them
     with torch.no_grad():
         out = block(x)
     return {
