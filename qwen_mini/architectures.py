@@ -22,7 +22,7 @@ from pathlib import Path
 
 from torch import nn
 
-from .attention import Attention, GatedAttention
+from .attention import Attention, GatedAttention, QKVBiasAttention
 from .config import Config
 from .decoder import DecoderLayer, model_forward
 from .deltanet import GatedDeltaNet
@@ -45,15 +45,19 @@ def dense_mlp(cfg: Config, layer_idx: int, arch: Architecture) -> nn.Module:
 
 
 def shared_expert_moe_mlp(
-    cfg: Config, layer_idx: int, arch: Architecture, fused: bool = False
+    cfg: Config,
+    layer_idx: int,
+    arch: Architecture,
+    fused: bool = False,
+    block: type[nn.Module] = SharedExpertMoeBlock,
 ) -> nn.Module:
     """Routed experts plus one gated shared expert (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE) in the
     sparse layers (num_experts, decoder_sparse_step, mlp_only_layers), the dense SwiGLU in the
     others. The experts are held one by one, or `fused` in two 3-D tensors; the loader reads
-    either layout into either."""
+    either layout into either. `block`: the class of the sparse layers' block."""
     if not cfg.is_sparse_layer(layer_idx):
         return dense_mlp(cfg, layer_idx, arch)
-    return SharedExpertMoeBlock(
+    return block(
         cfg.hidden_size,
         cfg.moe_intermediate_size,
         cfg.num_experts,
@@ -234,7 +238,10 @@ QWEN4_EXP_ROW = dict(
 )
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "qwen2": Architecture(mixers={"full_attention": Attention}, mlp=dense_mlp, qkv_bias=True),
+    # Qwen2 / Qwen2.5: its attention has a bias on q/k/v, none on o_proj, and no QK-Norm
+    "qwen2": Architecture(
+        mixers={"full_attention": QKVBiasAttention}, mlp=dense_mlp, qkv_bias=True
+    ),
     "qwen3": Architecture(mixers={"full_attention": Attention}, mlp=dense_mlp, qk_norm=True),
     # Qwen3 with a mixture of experts in the feed-forward of the layers config.json names
     "qwen3_moe": Architecture(

@@ -1,4 +1,5 @@
-# Generated from solutions/ch01_attention.ipynb, solutions/ch05_deltanet.ipynb
+# Generated from solutions/ch01_attention.ipynb, solutions/ch02_qk_norm.ipynb,
+# solutions/ch05_deltanet.ipynb
 # by python -m qwen_mini.course.build — edit the notebooks, not this file.
 
 """Causal self-attention with grouped KV heads and a KV cache (Qwen2, Qwen3), and the gated
@@ -171,6 +172,21 @@ class Attention(nn.Module):
     def new_state(self, batch_size: int, dtype: torch.dtype, device=None) -> KVCache:
         """The empty cache this layer keeps while generating (the model asks every layer)."""
         return KVCache(batch_size, self.n_kv_heads, self.head_dim, dtype, device or "cpu")
+
+
+class QKVBiasAttention(Attention):
+    """Qwen2 / Qwen2.5 attention: chapter 1's layer with a bias on q_proj, k_proj and v_proj,
+    none on o_proj and no QK-Norm, whatever the row's flags say. Its forward is chapter 1's."""
+
+    def __init__(self, cfg: Config, layer_idx: int, arch):
+        super().__init__(cfg, layer_idx, arch)
+        hidden, q_width = cfg.hidden_size, self.n_heads * self.head_dim
+        kv_width = self.n_kv_heads * self.head_dim  # grouped KV heads: narrower than q
+        self.q_proj = nn.Linear(hidden, q_width, bias=True)
+        self.k_proj = nn.Linear(hidden, kv_width, bias=True)
+        self.v_proj = nn.Linear(hidden, kv_width, bias=True)
+        self.o_proj = nn.Linear(q_width, hidden, bias=False)  # Qwen2: no bias on the output
+        self.q_norm = self.k_norm = None  # no QK-Norm: the biases are Qwen2's alternative
 
 
 def split_query_gate(q_proj_out: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Tensor]:

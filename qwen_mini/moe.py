@@ -110,6 +110,7 @@ class SparseMoeBlock(nn.Module):
         return self.gate(x.reshape(-1, x.shape[-1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H] (or [N, H]) -> the same shape: each token's top_k experts, weighted."""
         flat = x.reshape(-1, x.shape[-1])  # [N, H], N = B * T: routing is per token
         weights, experts_idx = route(self.gate(flat), self.top_k, self.norm_topk_prob)
         return grouped_dispatch(flat, weights, experts_idx, self.experts).view(x.shape)
@@ -143,15 +144,19 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H] -> [B, T, H]: the routed experts' output plus the gated shared expert."""
         shared = shared_expert_output(x, self.shared_expert, self.shared_expert_gate)
-        return super().forward(x) + shared
+        return super().forward(x) + shared  # the routed experts: SparseMoeBlock's forward
 
 
-def qwen3_moe_mlp(cfg: Config, layer_idx: int, arch=None) -> nn.Module:
-    """The feed-forward block of a qwen3_moe model's layer layer_idx."""
+def qwen3_moe_mlp(
+    cfg: Config, layer_idx: int, arch=None, block: type[nn.Module] = SparseMoeBlock
+) -> nn.Module:
+    """The feed-forward block of a qwen3_moe model's layer layer_idx (`block`: the class of the
+    sparse layers' block)."""
     if not cfg.is_sparse_layer(layer_idx):
         return MLP(cfg.hidden_size, cfg.intermediate_size)
-    return SparseMoeBlock(
+    return block(
         cfg.hidden_size,
         cfg.moe_intermediate_size,
         cfg.num_experts,

@@ -8,6 +8,9 @@ every few steps, per layer and query head the largest attention logit and the at
 
     PYTHONPATH=. python scripts/logit_growth_sweep.py            # the stored sweep, ~15-40 min
     PYTHONPATH=. python scripts/logit_growth_sweep.py --steps 30 --lrs 0.03 --out /tmp/x.json
+    # chapter 2's seed sweep: the short runs of its live cell, three seeds, ~10-20 min
+    PYTHONPATH=. python scripts/logit_growth_sweep.py --steps 100 --batch 8 --seq 64 --every 25 \
+        --seeds 0 1 2 --out qwen_mini/assets/data/logit_growth_seeds.json
 
 tests/test_ch02_sweep.py re-runs the first steps of some runs and compares with the stored file.
 """
@@ -59,10 +62,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
     parser.add_argument("--steps", type=int, default=SETTINGS["steps"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[SETTINGS["seed"]])
+    parser.add_argument("--batch", type=int, default=SETTINGS["batch"])
+    parser.add_argument("--seq", type=int, default=SETTINGS["seq"])
+    parser.add_argument("--every", type=int, default=SETTINGS["every"])
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--jobs", type=int, default=1, help="runs trained side by side")
     args = parser.parse_args(argv)
-    settings = dict(SETTINGS, steps=args.steps)
+    settings = dict(SETTINGS, steps=args.steps, batch=args.batch, seq=args.seq, every=args.every)
     todo = [
         (qk_norm, lr, dict(settings, seed=seed))
         for seed in args.seeds

@@ -173,7 +173,12 @@ def header(names: list[str]) -> str:
             f"# Generated from solutions/{names[0]} by python -m qwen_mini.course.build —\n"
             "# edit the notebook, not this file.\n"
         )
-    lines = ["# Generated from " + ", ".join(f"solutions/{name}" for name in names)]
+    lines = ["# Generated from"]
+    for i, name in enumerate(names):  # wrapped within the 100-column limit
+        word = f" solutions/{name}" + ("," if i < len(names) - 1 else "")
+        if len(lines[-1]) + len(word) > 100:
+            lines.append("#")
+        lines[-1] += word
     return (
         "\n".join(lines)
         + "\n# by python -m qwen_mini.course.build — edit the notebooks, not this file.\n"

@@ -21,6 +21,7 @@ import ast
 import builtins
 import contextlib
 import hashlib
+import inspect
 import io
 import json
 import linecache
@@ -32,6 +33,7 @@ import sys
 import types
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -353,12 +355,27 @@ BLOCKS = {
     "ch01.Attention": "full_attention",
     "ch01.DecoderLayer": "layer",
     "ch01.model_forward": "forward",
+    # chapters 2 and 3: Qwen2's attention, and the mixture-of-experts blocks ("moe": the block
+    # the row's feed-forward builder makes in its sparse layers)
+    "ch02.QKVBiasAttention": "full_attention",
+    "ch03.SparseMoeBlock": "moe",
+    "ch03.SharedExpertMoeBlock": "moe",
     # chapter 5: Qwen3.5's blocks (listed only for rows built from them)
     "ch05.GatedDeltaNet": "linear_attention",
     "ch05.GatedAttention": "full_attention",
     "ch05.ZeroCentredRMSNorm": "norm",
 }
 ONLY_WHERE_USED = {"ch05.GatedDeltaNet", "ch05.GatedAttention", "ch05.ZeroCentredRMSNorm"}
+
+
+def _moe_block(mlp_builder):
+    """The mixture-of-experts block class a row's feed-forward builder makes (its `block`
+    argument), or None for a builder without one (the dense SwiGLU)."""
+    try:
+        parameter = inspect.signature(mlp_builder).parameters.get("block")
+    except (TypeError, ValueError):
+        return None
+    return None if parameter is None else parameter.default
 
 
 def _dense_mlp(mlp_class):
@@ -381,6 +398,7 @@ def architecture(model_type: str, pieces: dict[str, Piece]):
         "linear_attention": row.mixers.get("linear_attention"),
         "layer": row.layer,
         "forward": row.forward,
+        "moe": _moe_block(row.mlp),
     }
     package = dict(current, mlp=checking.reference("ch00.mlp"))
     if row.mlp is not architectures.dense_mlp:
@@ -390,10 +408,17 @@ def architecture(model_type: str, pieces: dict[str, Piece]):
         piece = pieces[exercise_id]
         label = f"{slot} ({exercise_id})"
         if package[slot] is not checking.reference(exercise_id):
-            if exercise_id not in ONLY_WHERE_USED:
-                table.append((label, "package", f"{model_type} has a {slot} of its own"))
+            if exercise_id in ONLY_WHERE_USED:
+                continue
+            if slot == "moe" and package[slot] is None:
+                note = f"{model_type} has no mixture of experts"
+            else:
+                note = f"{model_type} has a {slot} of its own"
+            table.append((label, "package", note))
             continue
-        if piece.whose == "learner":
+        if piece.whose == "learner" and slot == "moe":
+            blocks["mlp"] = partial(row.mlp, block=piece.obj)  # the row's builder, your block
+        elif piece.whose == "learner":
             blocks[slot] = _dense_mlp(piece.obj) if slot == "mlp" else piece.obj
         table.append((label, piece.whose, piece.note))
     mixers = {t: blocks.pop(t) for t in ("full_attention", "linear_attention") if t in blocks}

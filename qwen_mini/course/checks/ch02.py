@@ -14,12 +14,18 @@ import torch
 import torch.nn.functional as F
 
 from qwen_mini.architectures import ARCHITECTURES
-from qwen_mini.attention import Attention, causal_mask, split_heads
+from qwen_mini.attention import Attention, QKVBiasAttention, causal_mask, merge_heads, split_heads
 from qwen_mini.config import Config
 from qwen_mini.course.checking import between, case, mistake, named, randn, register
 from qwen_mini.course.lab import ch02 as lab
 from qwen_mini.rope import apply_rope, rope_cos_sin
 
+register(
+    "ch02.QKVBiasAttention",
+    reference=QKVBiasAttention,
+    points=2,
+    title="Qwen2.5's attention: a bias on q, k and v, none on o_proj, no QK-Norm",
+)
 register(
     "ch02.bias_logit_terms",
     reference=lab.bias_logit_terms,
@@ -56,6 +62,167 @@ register(
     points=1,
     title="Remove QK-Norm from a model",
 )
+
+
+# --- QKVBiasAttention ----------------------------------------------------------------------------
+
+
+def _config(model_type: str, hidden=16, heads=4, kv_heads=2, head_dim=8, **fields) -> Config:
+    return Config(
+        model_type=model_type,
+        vocab_size=16,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        **fields,
+    )
+
+
+def _biased_inputs(model_type, B, T, dtype=torch.float32, **fields):
+    """(config, the row, weights of a Qwen2 layer with nonzero biases, x, cos, sin)."""
+
+    def inputs(g):
+        cfg = _config(model_type, **fields)
+        layer = QKVBiasAttention(cfg, 0, ARCHITECTURES["qwen2"])
+        weights = {
+            name: (torch.randn(p.shape, generator=g) * 0.3).to(dtype)
+            for name, p in layer.state_dict().items()
+        }
+        cos, sin = rope_cos_sin(torch.arange(T), cfg.head_dim, cfg.rope_theta)
+        x = randn(B, T, cfg.hidden_size, g=g).to(dtype)
+        return cfg, ARCHITECTURES[model_type], weights, x, cos.to(dtype), sin.to(dtype)
+
+    return inputs
+
+
+def _biased_hidden(g):
+    kv_heads, groups = between(g, 1, 3), between(g, 1, 3)
+    sizes = dict(heads=kv_heads * groups, kv_heads=kv_heads, head_dim=4 * between(g, 1, 4))
+    model_type = ("qwen2", "qwen3")[between(g, 0, 1)]
+    return _biased_inputs(model_type, between(g, 1, 3), between(g, 1, 8), **sizes)(g)
+
+
+def _biased_layer(cls, cfg, row, weights, x, cos, sin):
+    """The learner's layer built from this row: its parameters, and its output with the given
+    weights (when its parameters are the Qwen2 layer's)."""
+    layer = cls(cfg, 0, row).to(x.dtype)
+    shapes = {name: tuple(p.shape) for name, p in layer.state_dict().items()}
+    output = "not computed: the layer's parameters are not a Qwen2 layer's"
+    if shapes == {name: tuple(w.shape) for name, w in weights.items()}:
+        layer.load_state_dict(weights)
+        with torch.no_grad():
+            output = layer(x, cos, sin)
+    return {"parameters (name: shape)": shapes, "output [B, T, hidden]": output}
+
+
+BIASED = "ch02.QKVBiasAttention"
+case(
+    BIASED,
+    "built from the Qwen2 row: a bias on q_proj, k_proj, v_proj, none on o_proj",
+    _biased_inputs("qwen2", 2, 5),
+    _biased_layer,
+    atol=1e-5,
+    rtol=1e-5,
+)
+case(
+    BIASED,
+    "built from the Qwen3 row (QK-Norm, no bias): the layer is still Qwen2's, with its biases "
+    "and no QK-Norm",
+    _biased_inputs("qwen3", 1, 6),
+    _biased_layer,
+    atol=1e-5,
+    rtol=1e-5,
+    seed=1,
+)
+case(
+    BIASED,
+    "config.json says attention_bias=true: still no bias on o_proj",
+    _biased_inputs("qwen3", 1, 4, attention_bias=True),
+    _biased_layer,
+    atol=1e-5,
+    rtol=1e-5,
+    seed=2,
+)
+case(
+    BIASED,
+    "a bfloat16 layer on bfloat16 tokens: the output is bfloat16",
+    _biased_inputs("qwen2", 2, 6, dtype=torch.bfloat16),
+    _biased_layer,
+    atol=2e-2,
+    rtol=2e-2,
+    seed=3,
+)
+for n in range(2):
+    case(BIASED, f"other layers {n + 1}", _biased_hidden, _biased_layer, atol=1e-5, rtol=1e-5,
+         hidden=True)  # fmt: skip
+
+
+def _linear(cfg, heads, bias, out=False):
+    inner = heads * cfg.head_dim
+    return torch.nn.Linear(*((inner, cfg.hidden_size) if out else (cfg.hidden_size, inner)), bias)
+
+
+@mistake(BIASED, "o_proj has a bias: Qwen2 puts a bias on q_proj, k_proj and v_proj only")
+class BiasOnOutput(Attention):
+    def __init__(self, cfg, layer_idx, arch):
+        super().__init__(cfg, layer_idx, arch)
+        self.q_proj = _linear(cfg, self.n_heads, True)
+        self.k_proj = _linear(cfg, self.n_kv_heads, True)
+        self.v_proj = _linear(cfg, self.n_kv_heads, True)
+        self.o_proj = _linear(cfg, self.n_heads, True, out=True)
+        self.q_norm = self.k_norm = None
+
+
+@mistake(BIASED, "v_proj has no bias: Qwen2 puts a bias on q_proj, k_proj AND v_proj")
+class NoBiasOnValue(QKVBiasAttention):
+    def __init__(self, cfg, layer_idx, arch):
+        super().__init__(cfg, layer_idx, arch)
+        self.v_proj = _linear(cfg, self.n_kv_heads, False)
+
+
+@mistake(
+    BIASED,
+    "the layer has the row's flags, not Qwen2's: whatever the row says, this layer has a bias on "
+    "q_proj, k_proj and v_proj, none on o_proj, and no QK-Norm (q_norm = k_norm = None)",
+)
+class BiasAsTheRowSays(Attention):
+    pass
+
+
+@mistake(
+    BIASED,
+    "QK-Norm is kept: a Qwen2 layer has no q_norm or k_norm (set them to None), only the biases",
+)
+class BiasKeepsQKNorm(Attention):
+    def __init__(self, cfg, layer_idx, arch):
+        super().__init__(cfg, layer_idx, arch)
+        self.q_proj = _linear(cfg, self.n_heads, True)
+        self.k_proj = _linear(cfg, self.n_kv_heads, True)
+        self.v_proj = _linear(cfg, self.n_kv_heads, True)
+        self.o_proj = _linear(cfg, self.n_heads, False, out=True)
+
+
+@mistake(
+    BIASED,
+    "the bias is added after RoPE: Qwen2.5 adds it before (it is part of q_proj(x) and k_proj(x), "
+    "rotated with them), so chapter 1's forward is already right",
+)
+class BiasAfterRope(QKVBiasAttention):
+    def forward(self, x, cos, sin, cache=None):
+        q = F.linear(x, self.q_proj.weight)
+        k = F.linear(x, self.k_proj.weight)
+        q = apply_rope(split_heads(q, self.n_heads), cos, sin)
+        k = apply_rope(split_heads(k, self.n_kv_heads), cos, sin)
+        q = q + self.q_proj.bias.view(self.n_heads, 1, -1)
+        k = k + self.k_proj.bias.view(self.n_kv_heads, 1, -1)
+        v = split_heads(self.v_proj(x), self.n_kv_heads)
+        return self.o_proj(merge_heads(self.attend(q, k, v)))
 
 
 # --- bias_logit_terms ----------------------------------------------------------------------------
@@ -351,6 +518,15 @@ case(
     atol=1e-5,
     rtol=1e-5,
 )
+case(
+    "ch02.logit_stats",
+    "bfloat16 queries and keys: the logits and the entropy in float32, two float32 results",
+    lambda g: tuple(t.bfloat16() for t in _stats_inputs(1, 2, 16, 16, 3.0)(g)),
+    _stats,
+    atol=1e-4,
+    rtol=1e-4,
+    seed=7,
+)
 for n in range(3):
     case(
         "ch02.logit_stats",
@@ -409,6 +585,29 @@ def stats_bits(q, k):
 def stats_all_heads(q, k):
     m, e = lab.logit_stats(q, k)
     return m.max(), e.mean()
+
+
+@mistake(
+    "ch02.logit_stats",
+    "bfloat16 inputs are computed in bfloat16: cast q and k to float32 first (.float()), then "
+    "take the logits, the softmax and the entropy, and return float32",
+)
+def stats_in_input_dtype(q, k):
+    T, D = q.shape[-2], q.shape[-1]
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(D)  # in q's dtype
+    s = s.masked_fill(~causal_mask(T, T), float("-inf"))
+    p = s.softmax(-1)
+    e = -torch.where(p > 0, p * p.log(), torch.zeros_like(p)).sum(-1)
+    return s.amax(dim=(0, 2, 3)).float(), e.mean(dim=(0, 2)).float()
+
+
+@mistake(
+    "ch02.logit_stats",
+    "the results come back in the inputs' dtype: return two float32 tensors",
+)
+def stats_returned_in_input_dtype(q, k):
+    m, e = lab.logit_stats(q, k)
+    return m.to(q.dtype), e.to(q.dtype)
 
 
 # --- distinct_weights ----------------------------------------------------------------------------

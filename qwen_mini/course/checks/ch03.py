@@ -27,10 +27,22 @@ register(
     title="Grouped dispatch: one call per expert, results added back per token",
 )
 register(
+    "ch03.SparseMoeBlock",
+    reference=ref.SparseMoeBlock,
+    points=2,
+    title="The Qwen3-MoE block: route every token, dispatch, weighted combine",
+)
+register(
     "ch03.shared_expert_output",
     reference=ref.shared_expert_output,
     points=1,
     title="The shared expert and its sigmoid gate",
+)
+register(
+    "ch03.SharedExpertMoeBlock",
+    reference=ref.SharedExpertMoeBlock,
+    points=1,
+    title="The shared-expert block: routed experts plus the gated shared expert",
 )
 register(
     "ch03.routing_statistics",
@@ -167,6 +179,16 @@ def route_softmax_in_bfloat16(logits, k, norm_topk_prob=True):
     return w, i
 
 
+@mistake(
+    "ch03.route",
+    "the expert indices must stay int64 (torch.long, as topk returns them): index tensors in "
+    "another dtype are cast again wherever they index",
+)
+def route_int32_indices(logits, k, norm_topk_prob=True):
+    weights, experts = ref.route(logits, k, norm_topk_prob)
+    return weights, experts.int()
+
+
 # --- grouped_dispatch -----------------------------------------------------------------------------
 
 
@@ -251,6 +273,39 @@ case(
     atol=1e-5,
     seed=20,
 )
+
+
+def _idle_inputs(g):
+    """6 tokens, 8 experts, k = 2, every choice among experts 0-5: 6 and 7 are chosen by none."""
+    x, weights = randn(6, 8, g=g), torch.softmax(randn(6, 2, g=g), -1)
+    experts_idx = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(6)])
+    return x, weights, experts_idx, _experts(g, 8, 8)
+
+
+case(
+    "ch03.grouped_dispatch",
+    "6 tokens, 8 experts, k=2; experts 6 and 7 are chosen by no token: never called",
+    _idle_inputs,
+    _dispatched,
+    atol=1e-5,
+    seed=21,
+)
+
+
+def _bf16_dispatch(g):
+    x, weights, idx, experts = _dispatch_inputs(10, 8, 4, 2)(g)
+    return x.bfloat16(), weights.bfloat16(), idx, [e.bfloat16() for e in experts]
+
+
+case(
+    "ch03.grouped_dispatch",
+    "bfloat16 tokens, weights and experts: the output is bfloat16",
+    _bf16_dispatch,
+    _dispatched,
+    atol=2e-2,
+    rtol=2e-2,
+    seed=22,
+)
 for n in range(3):
     case(
         "ch03.grouped_dispatch",
@@ -314,6 +369,48 @@ def dispatch_wrong_token_of_slot(x, weights, experts_idx, experts):
     return out
 
 
+@mistake(
+    "ch03.grouped_dispatch",
+    "an expert no token chose is called (on zero rows): skip it; it is never called",
+)
+def dispatch_calls_idle_experts(x, weights, experts_idx, experts):
+    out = torch.zeros_like(x)
+    for e in range(len(experts)):
+        token, slot = (experts_idx == e).nonzero(as_tuple=True)  # possibly none
+        out.index_add_(0, token, experts[e](x[token]) * weights[token, slot, None])
+    return out
+
+
+@mistake(
+    "ch03.grouped_dispatch",
+    "the weight of a slot is taken at the token's index: weights.reshape(-1)[s] is slot s's "
+    "weight, and slot s belongs to token s // k",
+)
+def dispatch_weight_at_token_index(x, weights, experts_idx, experts):
+    N, k = experts_idx.shape
+    flat = experts_idx.reshape(-1)
+    out = torch.zeros_like(x)
+    for e in flat.unique().tolist():
+        slots = (flat == e).nonzero().squeeze(1)
+        tokens = slots // k
+        out.index_add_(0, tokens, experts[e](x[tokens]) * weights.reshape(-1)[tokens, None])
+    return out
+
+
+@mistake(
+    "ch03.grouped_dispatch",
+    "bfloat16 tokens give a float32 output: build the output like x (torch.zeros_like(x)), in "
+    "the tokens' dtype",
+)
+def dispatch_float32_output(x, weights, experts_idx, experts):
+    out = torch.zeros(x.shape)  # float32 whatever x is
+    N, k = experts_idx.shape
+    for e in experts_idx.unique().tolist():
+        token, slot = (experts_idx == e).nonzero(as_tuple=True)
+        out.index_add_(0, token, (experts[e](x[token]) * weights[token, slot, None]).float())
+    return out
+
+
 # --- shared_expert_output -------------------------------------------------------------------------
 
 
@@ -368,6 +465,17 @@ case(
 )
 
 
+case(
+    "ch03.shared_expert_output",
+    "bfloat16 tokens and modules: the output is bfloat16",
+    lambda g: tuple(a.bfloat16() for a in _shared_inputs(2, 3, 8)(g)),
+    shared,
+    atol=2e-2,
+    rtol=2e-2,
+    seed=43,
+)
+
+
 @mistake(
     "ch03.shared_expert_output",
     "the output is scaled by the raw gate logit; the sigmoid is missing: scale by "
@@ -384,6 +492,14 @@ def shared_without_sigmoid(x, shared_expert, shared_expert_gate):
 )
 def shared_with_softmax(x, shared_expert, shared_expert_gate):
     return torch.softmax(shared_expert_gate(x), dim=-1) * shared_expert(x)
+
+
+@mistake(
+    "ch03.shared_expert_output",
+    "bfloat16 tokens give a float32 output: keep the gate and the product in the tokens' dtype",
+)
+def shared_gate_in_float32(x, shared_expert, shared_expert_gate):
+    return torch.sigmoid(shared_expert_gate(x).float()) * shared_expert(x).float()
 
 
 # --- routing_statistics ---------------------------------------------------------------------------
@@ -408,6 +524,40 @@ case(
     _statistics,
     atol=1e-5,
     seed=50,
+)
+
+
+def _unused_last(g):  # 12 tokens, 6 experts, k = 2; expert 5 scores lowest for every token
+    logits = randn(12, 6, g=g)
+    logits[:, 5] = -10.0
+    return logits, 2
+
+
+case(
+    "ch03.routing_statistics",
+    "12 tokens, 6 experts, k=3",
+    lambda g: (randn(12, 6, g=g) * 2, 3),
+    _statistics,
+    atol=1e-5,
+    rtol=1e-5,
+    seed=51,
+)
+case(
+    "ch03.routing_statistics",
+    "the last expert (of 6) is chosen by no token: its count is 0, and there are still 6 counts",
+    _unused_last,
+    _statistics,
+    atol=1e-5,
+    seed=52,
+)
+case(
+    "ch03.routing_statistics",
+    "bfloat16 logits: the softmax, the counts and the sums in float32",
+    lambda g: ((randn(20, 8, g=g) * 2).bfloat16(), 2),
+    _statistics,
+    atol=1e-5,
+    rtol=1e-5,
+    seed=53,
 )
 case(
     "ch03.routing_statistics",
@@ -438,6 +588,36 @@ def stats_probs_of_the_top_k_only(logits, k):
     counts = torch.bincount(idx.reshape(-1), minlength=logits.shape[-1]).float()
     prob_sums = torch.zeros(logits.shape[-1]).index_add_(0, idx.reshape(-1), weights.reshape(-1))
     return counts, prob_sums, logits.shape[0]
+
+
+@mistake(
+    "ch03.routing_statistics",
+    "k is hard-coded: count each token's top k experts for the k given",
+)
+def stats_k_hard_coded(logits, k):
+    return lab.routing_statistics(logits, 2)
+
+
+@mistake(
+    "ch03.routing_statistics",
+    "an expert no token chose is missing from the counts: bincount needs minlength=E, so that "
+    "there is one count per expert even when the last ones are never chosen",
+)
+def stats_bincount_without_minlength(logits, k):
+    probs = torch.softmax(logits, -1, dtype=torch.float32)
+    counts = torch.bincount(probs.topk(k, -1).indices.reshape(-1)).float()
+    return counts, probs.sum(0), logits.shape[0]
+
+
+@mistake(
+    "ch03.routing_statistics",
+    "bfloat16 logits: take the softmax in float32 (torch.softmax(..., dtype=torch.float32)) and "
+    "return float32 counts and sums",
+)
+def stats_in_the_logits_dtype(logits, k):
+    probs = torch.softmax(logits, -1)
+    counts = torch.bincount(probs.topk(k, -1).indices.reshape(-1), minlength=logits.shape[-1])
+    return counts.to(logits.dtype), probs.sum(0), logits.shape[0]
 
 
 # --- load_balancing_loss --------------------------------------------------------------------------
@@ -488,6 +668,16 @@ case(
     rtol=1e-5,
     seed=61,
 )
+
+
+case(
+    "ch03.load_balancing_loss",
+    "two layers, E=6, k=3",
+    _layers(2, 12, 6, 3),
+    atol=1e-6,
+    rtol=1e-5,
+    seed=62,
+)
 for n in range(2):
     case(
         "ch03.load_balancing_loss",
@@ -521,6 +711,11 @@ def loss_without_factor_e(router_logits, k):
 )
 def loss_mean_of_layers(router_logits, k):
     return torch.stack([lab.load_balancing_loss([x], k) for x in router_logits]).mean()
+
+
+@mistake("ch03.load_balancing_loss", "k is hard-coded: use the k given")
+def loss_k_hard_coded(router_logits, k):
+    return lab.load_balancing_loss(router_logits, 2)
 
 
 # --- global_load_balancing_loss -------------------------------------------------------------------
@@ -564,6 +759,16 @@ case(
     expected=lambda *_: torch.tensor(1.0),
     atol=1e-5,
 )
+
+
+case(
+    "ch03.global_load_balancing_loss",
+    "micro-batches of 3, 9 and 5 tokens (a mean over micro-batches weighs them wrongly), k=2",
+    _domains([3, 9, 5], 8, 2, 2),
+    atol=1e-6,
+    rtol=1e-5,
+    seed=81,
+)
 case(
     "ch03.global_load_balancing_loss",
     "unequal micro-batches",
@@ -589,6 +794,23 @@ def global_per_micro_batch(micro_batches, k):
 )
 def global_last_micro_batch_only(micro_batches, k):
     return lab.load_balancing_loss(micro_batches[-1], k)
+
+
+@mistake(
+    "ch03.global_load_balancing_loss",
+    "f_e and P_e are averaged over the micro-batches: that weighs a small micro-batch like a "
+    "large one (right only when all have the same size); add the counts and sums of every "
+    "micro-batch, then divide by the total number of tokens",
+)
+def global_mean_of_micro_fractions(micro_batches, k):
+    fs, ps = [], []
+    for micro in micro_batches:
+        stats = [lab.routing_statistics(x, k) for x in micro]
+        rows = sum(s[2] for s in stats)
+        fs.append(sum(s[0] for s in stats) / rows)
+        ps.append(sum(s[1] for s in stats) / rows)
+    f, P = torch.stack(fs).mean(0), torch.stack(ps).mean(0)
+    return micro_batches[0][0].shape[-1] * (f * P).sum()
 
 
 # --- split_mlp ------------------------------------------------------------------------------------
@@ -701,3 +923,348 @@ def split_sharing_storage(mlp, num_experts):
         expert.down_proj.weight.data = down.data
         experts.append(expert)
     return experts
+
+
+# --- SparseMoeBlock and SharedExpertMoeBlock: the blocks, built from the learner's class -------
+
+
+class _CountedMLP(MLP):
+    """A per-expert SwiGLU that counts its calls in `forward` (`count` is set by the case)."""
+
+    def forward(self, x):
+        self.count(x.shape[0])
+        return super().forward(x)
+
+    def count(self, rows: int) -> None:
+        pass
+
+
+class _CountedFused(ref.FusedExperts):
+    """Fused experts that count the calls of each expert (`count` is set by the case)."""
+
+    def expert(self, e, x):
+        self.count(x.shape[0], e)
+        return super().expert(e, x)
+
+    def count(self, rows: int, e: int) -> None:
+        pass
+
+
+def _moe_inputs(B, T, H, I, E, k, norm, fused=False, shared=0, dtype=torch.float32, idle=None):
+    """(the block's arguments, weights for it, tokens [B, T, H]). `idle`: an expert that no
+    token chooses (its router row points away from every token), so it must never run."""
+
+    def inputs(g):
+        args = (H, I, E, k) + ((shared,) if shared else ()) + (norm, fused)
+        block = (ref.SharedExpertMoeBlock if shared else ref.SparseMoeBlock)(*args)
+        weights = {}
+        for name, p in block.state_dict().items():
+            weights[name] = torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5
+            if name == "shared_expert_gate.weight":
+                weights[name] = weights[name] * 4  # gate values spread over (0, 1)
+        x = randn(B, T, H, g=g)
+        if idle is not None:
+            x = x + 2.0  # every token leans the same way, and the idle expert's row points away
+            weights["gate.weight"][idle] = -torch.ones(H)
+        return args, {n: w.to(dtype) for n, w in weights.items()}, x.to(dtype)
+
+    return inputs
+
+
+def _moe_hidden(shared):
+    def inputs(g):
+        E = between(g, 2, 12)
+        B, T, H = between(g, 1, 3), between(g, 1, 6), 4 * between(g, 1, 4)
+        k, norm, fused = between(g, 1, min(E, 4)), bool(between(g, 0, 1)), bool(between(g, 0, 1))
+        return _moe_inputs(B, T, H, 8, E, k, norm, fused, 12 if shared else 0)(g)
+
+    return inputs
+
+
+def _moe_run(block_class, args, weights, x):
+    """The learner's block with the given weights: its output, and how often and on how many
+    rows each routed expert ran (counted in forward)."""
+    H, I, E = args[:3]
+    fused = args[-1]
+    block = block_class(*args)
+    calls, rows = [0] * E, [0] * E
+
+    def count(n_rows, e):
+        calls[e] += 1
+        rows[e] += n_rows
+
+    block.to(x.dtype).load_state_dict(weights)  # its own experts first: all names must fit
+    if fused:
+        experts = _CountedFused(E, H, I)
+        experts.count = count
+    else:
+        experts = nn.ModuleList(_CountedMLP(H, I) for _ in range(E))
+        for e, expert in enumerate(experts):
+            expert.count = lambda n_rows, e=e: count(n_rows, e)
+    own = {k.removeprefix("experts."): v for k, v in weights.items() if k.startswith("experts.")}
+    experts.to(x.dtype).load_state_dict(own)  # here, before they go in: the block's code may
+    block.experts = experts  # read the experts' weights, never change them
+    with torch.no_grad():
+        out = block(x)
+    return {
+        "output [B, T, H]": out,
+        "calls of each routed expert (one per expert chosen, none for the others)": calls,
+        "rows each routed expert ran on (the tokens that chose it)": rows,
+    }
+
+
+MOE = "ch03.SparseMoeBlock"
+case(
+    MOE,
+    "2 x 5 tokens, 8 experts, top-2, renormalised; expert 7 is chosen by no token",
+    _moe_inputs(2, 5, 8, 16, 8, 2, True, idle=7),
+    _moe_run,
+    atol=1e-5,
+    rtol=1e-5,
+    seed=110,
+)
+case(
+    MOE,
+    "3 x 4 tokens, 6 experts, top-3, norm_topk_prob=False (the full-softmax probabilities)",
+    _moe_inputs(3, 4, 8, 16, 6, 3, False),
+    _moe_run,
+    atol=1e-5,
+    rtol=1e-5,
+    seed=111,
+)
+case(
+    MOE,
+    "experts stored fused (the Qwen3.5-MoE layout), 10 experts, top-4",
+    _moe_inputs(1, 7, 12, 8, 10, 4, True, fused=True),
+    _moe_run,
+    atol=1e-5,
+    rtol=1e-5,
+    seed=112,
+)
+case(
+    MOE,
+    "a bfloat16 block on bfloat16 tokens: the output is bfloat16",
+    _moe_inputs(2, 6, 16, 32, 8, 2, True, dtype=torch.bfloat16),
+    _moe_run,
+    atol=2e-2,
+    rtol=2e-2,
+    seed=113,
+)
+for n in range(2):
+    case(MOE, f"other blocks {n + 1}", _moe_hidden(False), _moe_run, atol=1e-5, rtol=1e-5,
+         hidden=True)  # fmt: skip
+
+
+def _flat_route(block, x):
+    flat = x.reshape(-1, x.shape[-1])
+    return flat, ref.route(block.gate(flat), block.top_k, block.norm_topk_prob)
+
+
+@mistake(MOE, "top_k is hard-coded: route each token to self.top_k experts, as the block was built")
+class MoeTopKHardCoded(ref.SparseMoeBlock):
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        w, idx = ref.route(self.gate(flat), 2, self.norm_topk_prob)
+        return ref.grouped_dispatch(flat, w, idx, self.experts).view(x.shape)
+
+
+@mistake(
+    MOE,
+    "the weights are renormalised whatever norm_topk_prob says: pass self.norm_topk_prob to the "
+    "router (with False the weights are the full-softmax probabilities)",
+)
+class MoeAlwaysRenormalised(ref.SparseMoeBlock):
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        w, idx = ref.route(self.gate(flat), self.top_k, True)
+        return ref.grouped_dispatch(flat, w, idx, self.experts).view(x.shape)
+
+
+@mistake(
+    MOE,
+    "every expert runs on every token (a dense, masked mixture): an expert no token chose is "
+    "never called, and a chosen one runs once, on the rows of the tokens that chose it",
+)
+class MoeDenseMasked(ref.SparseMoeBlock):
+    def forward(self, x):
+        flat, (w, idx) = _flat_route(self, x)
+        out = torch.zeros_like(flat)
+        for e in range(len(self.experts)):
+            out += (w * (idx == e)).sum(-1, keepdim=True) * self.experts[e](flat)
+        return out.view(x.shape)
+
+
+@mistake(
+    MOE,
+    "an expert no token chose is called (on zero rows): skip it; it is never called",
+)
+class MoeCallsIdleExperts(ref.SparseMoeBlock):
+    def forward(self, x):
+        flat, (w, idx) = _flat_route(self, x)
+        out = torch.zeros_like(flat)
+        for e in range(len(self.experts)):
+            token, slot = (idx == e).nonzero(as_tuple=True)  # possibly none
+            out.index_add_(0, token, self.experts[e](flat[token]) * w[token, slot, None])
+        return out.view(x.shape)
+
+
+@mistake(
+    MOE,
+    "the experts' outputs are added without their routing weights: weight each expert's output "
+    "by the token's router weight for it",
+)
+class MoeUnweighted(ref.SparseMoeBlock):
+    def forward(self, x):
+        flat, (w, idx) = _flat_route(self, x)
+        return ref.grouped_dispatch(flat, torch.ones_like(w), idx, self.experts).view(x.shape)
+
+
+@mistake(
+    MOE,
+    "a bfloat16 block returns float32: the router's softmax is float32, but the weights it "
+    "returns, the experts' outputs and the block's output stay in the tokens' dtype",
+)
+class MoeFloat32Output(ref.SparseMoeBlock):
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(self.gate(flat), -1, dtype=torch.float32)
+        w, idx = probs.topk(self.top_k, -1)
+        if self.norm_topk_prob:
+            w = w / w.sum(-1, keepdim=True)
+        out = torch.zeros(flat.shape)  # float32
+        for e in idx.unique().tolist():
+            token, slot = (idx == e).nonzero(as_tuple=True)
+            out.index_add_(0, token, (self.experts[e](flat[token]) * w[token, slot, None]).float())
+        return out.view(x.shape)
+
+
+SHARED = "ch03.SharedExpertMoeBlock"
+
+
+def _zero_gate(inputs):
+    def with_zero_gate(g):
+        args, weights, x = inputs(g)
+        weights["shared_expert_gate.weight"] = torch.zeros_like(
+            weights["shared_expert_gate.weight"]
+        )
+        return args, weights, x
+
+    return with_zero_gate
+
+
+def _routed_plus_half_shared(args, weights, x):
+    """By hand: sigmoid(0) = 1/2, so the block is the routed experts plus half the shared
+    expert (both run as the package's, with the same weights)."""
+    block = ref.SharedExpertMoeBlock(*args)
+    block.load_state_dict(weights)
+    with torch.no_grad():
+        routed = ref.SparseMoeBlock.forward(block, x)
+        out = routed + 0.5 * block.shared_expert(x)
+    E = args[2]
+    flat = x.reshape(-1, x.shape[-1])
+    _, idx = ref.route(block.gate(flat), block.top_k, block.norm_topk_prob)
+    chosen = torch.bincount(idx.reshape(-1), minlength=E)
+    return {
+        "output [B, T, H]": out,
+        "calls of each routed expert (one per expert chosen, none for the others)": [
+            int(c > 0) for c in chosen
+        ],
+        "rows each routed expert ran on (the tokens that chose it)": chosen.tolist(),
+    }
+
+
+case(
+    SHARED,
+    "hand-worked: a shared_expert_gate of 0 gives the routed output plus half the shared expert's",
+    _zero_gate(_moe_inputs(2, 4, 8, 16, 6, 2, True, shared=24)),
+    _moe_run,
+    _routed_plus_half_shared,
+    atol=1e-5,
+    rtol=1e-5,
+    seed=120,
+)
+case(
+    SHARED,
+    "2 x 5 tokens, 8 experts, top-2, shared expert of width 24; expert 7 is chosen by no token",
+    _moe_inputs(2, 5, 8, 16, 8, 2, True, shared=24, idle=7),
+    _moe_run,
+    atol=1e-5,
+    rtol=1e-5,
+    seed=121,
+)
+case(
+    SHARED,
+    "experts stored fused, top-3, norm_topk_prob=False",
+    _moe_inputs(1, 6, 12, 8, 10, 3, False, fused=True, shared=16),
+    _moe_run,
+    atol=1e-5,
+    rtol=1e-5,
+    seed=122,
+)
+case(
+    SHARED,
+    "a bfloat16 block on bfloat16 tokens: the output is bfloat16",
+    _moe_inputs(2, 6, 16, 32, 8, 2, True, shared=32, dtype=torch.bfloat16),
+    _moe_run,
+    atol=3e-2,
+    rtol=3e-2,
+    seed=123,
+)
+for n in range(2):
+    case(SHARED, f"other blocks {n + 1}", _moe_hidden(True), _moe_run, atol=1e-5, rtol=1e-5,
+         hidden=True)  # fmt: skip
+
+
+def _routed(block, x):
+    return ref.SparseMoeBlock.forward(block, x)
+
+
+@mistake(
+    SHARED,
+    "the shared expert is added unscaled: scale it token by token by "
+    "sigmoid(shared_expert_gate(x)), a number between 0 and 1 (a softmax over one logit is 1)",
+)
+class SharedUngated(ref.SharedExpertMoeBlock):
+    def forward(self, x):
+        return _routed(self, x) + self.shared_expert(x)
+
+
+@mistake(
+    SHARED,
+    "the shared expert is scaled by the raw gate logit: squash it with a sigmoid, "
+    "sigmoid(shared_expert_gate(x))",
+)
+class SharedRawLogit(ref.SharedExpertMoeBlock):
+    def forward(self, x):
+        return _routed(self, x) + self.shared_expert_gate(x) * self.shared_expert(x)
+
+
+@mistake(
+    SHARED,
+    "the routed experts are missing: the block is the routed experts' output (the sparse block's "
+    "forward) PLUS the gated shared expert",
+)
+class SharedOnly(ref.SharedExpertMoeBlock):
+    def forward(self, x):
+        return ref.shared_expert_output(x, self.shared_expert, self.shared_expert_gate)
+
+
+@mistake(
+    SHARED,
+    "the gate scales the routed experts too: sigmoid(shared_expert_gate(x)) scales only the "
+    "shared expert; the routed output is added as the router weighted it",
+)
+class SharedGatesEverything(ref.SharedExpertMoeBlock):
+    def forward(self, x):
+        gate = torch.sigmoid(self.shared_expert_gate(x))
+        return gate * (_routed(self, x) + self.shared_expert(x))
+
+
+@mistake(
+    SHARED,
+    "a bfloat16 block returns float32: keep the gate and the sum in the tokens' dtype",
+)
+class SharedFloat32Output(ref.SharedExpertMoeBlock):
+    def forward(self, x):
+        gate = torch.sigmoid(self.shared_expert_gate(x).float())
+        return _routed(self, x).float() + gate * self.shared_expert(x).float()

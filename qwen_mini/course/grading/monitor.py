@@ -141,6 +141,9 @@ class Snapshot:
         """`earlier`: the reference classes of earlier chapters' exercises, which a variant may
         subclass (their code is theirs, not the variant's)."""
         self.references = {e.id: e.reference for e in exercises}
+        # a class of this chapter may subclass another exercise's (SharedExpertMoeBlock of
+        # SparseMoeBlock): that base is the other exercise's code, whoever's it is
+        earlier = set(earlier) | {e.reference for e in exercises if isinstance(e.reference, type)}
         self.code_ids, self.fingerprints = {}, {}
         self.keep = []  # code objects stay alive, so their ids stay theirs
         for e in exercises:

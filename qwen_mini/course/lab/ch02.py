@@ -98,9 +98,12 @@ def tiny_config(hidden: int = 128, layers: int = 2, heads: int = 4) -> Config:
     )
 
 
-def tiny_arch(qk_norm: bool, qkv_bias: bool = False) -> Architecture:
-    """Qwen3's row with QK-Norm on or off; with qkv_bias, a bias on q/k/v as Qwen2.5 has."""
-    return replace(ARCHITECTURES["qwen3"], qk_norm=qk_norm, qkv_bias=qkv_bias)
+def tiny_arch(
+    qk_norm: bool, qkv_bias: bool = False, row: Architecture | None = None
+) -> Architecture:
+    """Qwen3's row (or `row`) with QK-Norm on or off; with qkv_bias, a bias on q/k/v as Qwen2.5
+    has."""
+    return replace(row or ARCHITECTURES["qwen3"], qk_norm=qk_norm, qkv_bias=qkv_bias)
 
 
 def tiny_model(cfg: Config, arch: Architecture, seed: int = 0) -> CausalLM:
@@ -161,11 +164,13 @@ def train_tiny(
     probe: torch.Tensor | None = None,
     n_stat: int = 4,
     qkv_bias: bool = False,
+    arch: Architecture | None = None,
 ):
     """Train a tiny model with AdamW (β = 0.9, 0.95, constant rate, no warm-up, no clipping) and
     record the loss of every step and, every `every` steps, per layer and head the largest
-    attention logit and the attention entropy (and the logits on `probe` ids [T], if given)."""
-    model = tiny_model(tiny_config(), tiny_arch(qk_norm, qkv_bias), seed)
+    attention logit and the attention entropy (and the logits on `probe` ids [T], if given).
+    arch: the row to build the model from (default: `tiny_arch(qk_norm, qkv_bias)`)."""
+    model = tiny_model(tiny_config(), arch or tiny_arch(qk_norm, qkv_bias), seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     inputs = {}  # layer index -> (x, cos, sin) its attention received in the last forward pass
     hooks = capture_attention_inputs(model, inputs)
