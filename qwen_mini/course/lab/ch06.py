@@ -141,12 +141,13 @@ def ngram_memory(cfg: Config, bytes_per_value: int) -> tuple[int, int]:
 # 2 value heads per key head, experts 2 of 4 with a shared one; Flash-Next with 2 streams, an
 # indexer that really selects (top 2 blocks of 2 from the 6th token on) and bigram and trigram
 # tables on layer 1
-_BASE = dict(vocab_size=96, max_position_embeddings=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+_BASE = dict(vocab_size=96, max_position_embeddings=128, hidden_size=32, num_hidden_layers=4,
+             num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, moe_intermediate_size=16, num_experts=4,
              num_experts_per_tok=2, shared_expert_intermediate_size=24,
              tie_word_embeddings=False, eos_token_id=3)  # fmt: skip
 _HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-               linear_value_head_dim=8)  # fmt: skip
+               linear_value_head_dim=8, linear_conv_kernel_dim=4)  # fmt: skip
 TINY_CONFIGS = {
     "qwen2_moe": dict(
         _BASE,
@@ -176,6 +177,11 @@ TINY_CONFIGS = {
         make_ngram_vocab_size_divisible_by=8,
         split_ngram_parts=3,
         output_gate_type="sigmoid",
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+        },
     ),  # fmt: skip
 }
 
