@@ -310,9 +310,22 @@ def parameters_at_least(cfg: Config) -> int:
     return total
 
 
-# layers x (1 + experts) past which even the meta model takes seconds to build (Qwen3-235B-A22B:
-# 94 x 129 = 12,126); beyond it sizes are worked out from the config alone
+# modules past which even the meta model takes seconds to build (Qwen3-235B-A22B, its experts
+# one module each: 94 layers x 130 = 12,220); beyond it sizes are worked out from the config alone
 MAX_BUILD = 30_000
+
+
+def modules_to_build(cfg: Config) -> int:
+    """About how many modules the model `cfg` describes: its layers times the modules of one
+    feed-forward of the largest kind, built once on meta (a row holding its experts fused, as
+    Qwen3.5-397B-A17B's does, has a few per layer, not one per expert)."""
+    if cfg.num_experts > MAX_BUILD:  # not even one layer of them is worth building
+        return cfg.num_hidden_layers * cfg.num_experts
+    arch = architecture(cfg.model_type)
+    layer = next((i for i in range(cfg.num_hidden_layers) if cfg.is_sparse_layer(i)), 0)
+    with torch.device("meta"), without_init():
+        mlp = arch.mlp(cfg, layer, arch)
+    return cfg.num_hidden_layers * (1 + sum(1 for _ in mlp.modules()))
 
 
 def memory_needed(cfg: Config, dtype: torch.dtype | None = None, exact: bool = True) -> str:
@@ -320,7 +333,7 @@ def memory_needed(cfg: Config, dtype: torch.dtype | None = None, exact: bool = T
     parameters: 61.1 GB in bfloat16", counted on the meta model; with exact=False, or for a
     config too large to build even that, "at least ..." from the config alone."""
     dtype = dtype or _dtype(cfg.dtype) or torch.float32
-    if exact and cfg.num_hidden_layers * (1 + cfg.num_experts) <= MAX_BUILD:
+    if exact and modules_to_build(cfg) <= MAX_BUILD:
         shapes = expected_shapes(cfg)
         params, count = sum(math.prod(s) for s in shapes.values()), f"{len(shapes):,} tensors, "
     else:

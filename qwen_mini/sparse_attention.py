@@ -153,8 +153,17 @@ class QSAIndexer(nn.Module):
         """scores [B, T, n_blocks] of the last T of t_all positions -> keep [B, T, t_all]."""
         return select_blocks(scores, t_all, self.ratio, self.top_blocks)
 
+    def top_blocks_of_last(self, scores: torch.Tensor) -> torch.Tensor:
+        """scores [B, 1, n_blocks] of the last position -> the blocks it keeps [B, k]. It sees
+        every complete block, so no mask over the context is needed (decoding)."""
+        return scores[:, 0].topk(min(self.top_blocks, scores.shape[-1]), dim=-1).indices
+
     def forward(self, x, cos, sin, cache: IndexedKVCache | None = None) -> torch.Tensor:
+        """keep [B, T, T_all]; when decoding (one new token after a cache), the kept block ids
+        [B, k] instead, so that nothing the size of the context is built."""
         scores = self.block_scores(x, cos, sin, cache)
+        if cache is not None and x.shape[1] == 1:
+            return self.top_blocks_of_last(scores)
         t_all = (cache.length if cache is not None else 0) + x.shape[1]
         return self.select(scores, t_all)
 
@@ -172,7 +181,7 @@ class IndexedAttention(GatedAttention):
     def __init__(self, cfg: Config, layer_idx: int, arch):
         super().__init__(cfg, layer_idx, arch)
         self.indexer = QSAIndexer(cfg, arch)
-        self.keep = None  # [B, T, T_all] during a forward pass: what attend may read
+        self.keep = None  # during a forward pass, what attend may read: see QSAIndexer.forward
 
     def forward(self, x, cos, sin, cache: IndexedKVCache | None = None):
         """x [B, T, hidden] -> [B, T, hidden], as GatedAttention, the indexer choosing the keys."""
@@ -188,17 +197,24 @@ class IndexedAttention(GatedAttention):
             k, v = cache.update(k, v)  # [B, H_kv, T_all, D]
         # enable_gqa: query head h reads KV head h // (H / H_kv), as repeat_kv lays them out,
         # without copying each KV head H / H_kv times
-        if q.shape[2] == 1:  # decoding: read only the kept keys, not the whole context
-            # every row of the batch is at the same position, so keeps as many (the budget's
-            # blocks and the tail): one index per row
-            idx = self.keep[:, 0].nonzero()[:, 1].view(q.shape[0], -1)  # [B, n] kept positions
-            k, v = (  # [B, H_kv, n, D]; index_select copies rows fast, gather does not
-                torch.stack([row.index_select(1, i) for row, i in zip(t, idx, strict=True)])
-                for t in (k, v)
-            )
+        if self.keep.dim() == 2:  # decoding: read only the kept blocks and the tail
+            k, v = self.kept(k, self.keep), self.kept(v, self.keep)  # [B, H_kv, n_kept, D]
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         mask = self.keep[:, None]  # [B, 1, T, T_all], causal already
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    def kept(self, t: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """t [B, H_kv, T_all, D] -> the rows of the kept `blocks` [B, k] and of the incomplete
+        tail [B, H_kv, k r + tail, D]: a step reads the budget, not the context. The cache is
+        viewed as [B, H_kv, n_blocks, r D], so each kept block is one piece to copy; index_select
+        on a 4-D view stays this cheap (on a 3-D row of it, torch copies the whole row first).
+        Attention does not depend on the order of the keys, as long as values follow their keys."""
+        B, H, t_all, D = t.shape
+        r = self.indexer.ratio
+        whole = t_all // r * r
+        by_block = t[:, :, :whole].view(B, H, whole // r, r * D)  # a view: nothing copied
+        picked = torch.cat([by_block[b : b + 1].index_select(2, i) for b, i in enumerate(blocks)])
+        return torch.cat([picked.view(B, H, blocks.shape[1] * r, D), t[:, :, whole:]], dim=2)
 
     def new_state(self, batch_size: int, dtype: torch.dtype, device=None) -> IndexedKVCache:
         dims = (self.n_kv_heads, self.head_dim, self.indexer.head_dim)

@@ -31,3 +31,12 @@ def _learner_pieces_kept_apart(tmp_path_factory):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under `pytest -n 2 --dist loadgroup` (the Makefile's way) the grader's tests run one after
+    another in one worker: they start sandboxes and measure CPU time, and two grading runs at once
+    would only slow each other; everything else shares the other worker."""
+    for item in items:
+        if item.path.name.startswith(("test_grade", "test_exports")):
+            item.add_marker(pytest.mark.xdist_group("grader"))

@@ -32,7 +32,14 @@ from qwen_mini.generation import NonFiniteLogitsError, generate_tokens
 from qwen_mini.tokenizer import VENDORED_QWEN3
 
 IDS = torch.tensor([[3, 17, 99, 42, 5, 64, 120, 7]])
-DELETE = object()  # as a field value: remove the field
+
+
+class _Delete:
+    def __repr__(self):  # in test ids: the same in every process (pytest -n 2 compares them)
+        return "DELETE"
+
+
+DELETE = _Delete()  # as a field value: remove the field
 BASES = {  # name -> how write_checkpoint writes it
     "qwen3": dict(model_type="qwen3", tied=True),
     "qwen2-sharded": dict(model_type="qwen2", tied=False, max_shard_size="20KB"),

@@ -364,9 +364,6 @@ def test_real_config_without_weights_says_what_is_missing_and_the_memory(real, t
     assert (stated.get("text_config") or stated).get("dtype", stated.get("torch_dtype")) == (
         "bfloat16"
     )
-    if "at least" in message:  # too many layers x experts to count on a model: a lower bound
-        found = re.search(r"at least ([\d.]+) B parameters: ([\d.]+) GB in bfloat16", message)
-        assert found and 0.99 * total <= float(found[1]) * 1e9 <= total
-    else:
-        assert f"{len(text):,} tensors, {total / 1e9:.1f} B parameters" in message
-        assert f"{2 * total / 1e9:.1f} GB in bfloat16" in message
+    # counted on the meta model, every one exactly (the 397B one too: its experts held fused)
+    assert f"{len(text):,} tensors, {total / 1e9:.1f} B parameters" in message
+    assert f"{2 * total / 1e9:.1f} GB in bfloat16" in message

@@ -24,6 +24,8 @@ import gc
 import itertools
 import json
 import re
+import resource
+import shutil
 from pathlib import Path
 
 import pytest
@@ -397,3 +399,21 @@ def test_real_parameter_counts_are_the_published_ones(real_model):
     assert int(count["ngram"] / 1e9) == 51
     assert int(active / 1e9) == 6
     assert active + count["embedding"] == 7_306_997_120  # the same, the embedding and head in
+
+
+def test_real_config_without_weights_says_what_is_missing_and_the_memory(real_model, tmp_path):
+    """The release's config.json alone: the error names the missing weights and the memory the
+    checkpoint's tensors would take, counted on a meta model, none of it allocated."""
+    cfg, ours, theirs = real_model
+    shutil.copy(REAL / "config.json", tmp_path / "config.json")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    with pytest.raises(CheckpointError) as err:
+        qwen_mini.load_model(tmp_path)
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown < 2**20, f"{grown} KiB allocated"  # the weights described are 350 GB
+    message = str(err.value)
+    assert "no weights found" in message and "model.safetensors" in message
+    stored = theirs_as_stored(theirs)  # transformers' tensors, as the checkpoint names them
+    total = sum(torch.Size(s).numel() for s in stored.values())
+    assert f"{len(stored):,} tensors, {total / 1e9:.1f} B parameters" in message
+    assert f"{2 * total / 1e9:.1f} GB in bfloat16" in message

@@ -147,9 +147,9 @@ class Snapshot:
             codes = _codes(e.reference, earlier=set(earlier) - {e.reference})
             self.keep += codes
             self.code_ids[e.id] = {id(c) for c in codes}
-            self.fingerprints[e.id] = {fingerprint(c) for c in codes if _distinctive(c)} | recompiled(
-                e.reference, set(earlier) - {e.reference}
-            )
+            self.fingerprints[e.id] = {
+                fingerprint(c) for c in codes if _distinctive(c)
+            } | recompiled(e.reference, set(earlier) - {e.reference})
         self.package_ids = set()
         for name, module in list(sys.modules.items()):
             if name.split(".")[0] == "qwen_mini" and module is not None:
