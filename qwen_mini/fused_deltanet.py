@@ -11,8 +11,6 @@ b_g | a_g in `in_proj_ba`. The same rows, in another order: a fixed permutation,
 layers compute the same function (`fused_projection_order` says which row goes where).
 """
 
-from __future__ import annotations
-
 import torch
 from torch import nn
 

@@ -27,8 +27,6 @@ A layer's state: the last N - 1 token ids (the next n-grams start in them) and t
 (K - 1) * N inputs of the convolution.
 """
 
-from __future__ import annotations
-
 import math
 
 import torch

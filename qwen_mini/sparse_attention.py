@@ -27,8 +27,6 @@ boundary are broken arbitrarily (by index in torch.topk), so two implementations
 different blocks there.
 """
 
-from __future__ import annotations
-
 import math
 
 import torch

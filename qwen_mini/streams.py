@@ -21,8 +21,6 @@ final norm. Shapes: streams h [B, T, n, hidden]; the gates' linear maps act on t
 flattened, [B, T, n * hidden], as the checkpoint stores them.
 """
 
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -18,20 +18,48 @@ from qwen_mini.architectures import config_from_dict
 from qwen_mini.course.checking import between, case, mistake, randn, register
 from qwen_mini.course.lab import ch06 as lab
 
-register("ch06.fused_projection_order", reference=fused_deltanet.fused_projection_order,
-         points=2, title="Qwen3-Next's fused projections: a permutation of Qwen3.5's")  # fmt: skip
-register("ch06.index_scores", reference=sparse_attention.index_scores, points=1,
-         title="Block scores: sum over heads of relu(q . k) / sqrt(d)")  # fmt: skip
-register("ch06.select_blocks", reference=sparse_attention.select_blocks, points=2,
-         title="Keep the top blocks a query sees, and its tail")  # fmt: skip
-register("ch06.read_gate", reference=streams.read_gate, points=1,
-         title="The read gate: streams mixed into one input")  # fmt: skip
-register("ch06.write_gate", reference=streams.write_gate, points=1,
-         title="The write gate: the output added to each stream")  # fmt: skip
-register("ch06.shift_within_segment", reference=ngram_embedding.shift_within_segment, points=1,
-         title="n-grams never cross an eos")  # fmt: skip
-register("ch06.ngram_memory", reference=lab.ngram_memory, points=1,
-         title="The n-gram tables' memory and the bytes a token reads")  # fmt: skip
+register(
+    "ch06.fused_projection_order",
+    reference=fused_deltanet.fused_projection_order,
+    points=2,
+    title="Qwen3-Next's fused projections: a permutation of Qwen3.5's",
+)
+register(
+    "ch06.index_scores",
+    reference=sparse_attention.index_scores,
+    points=1,
+    title="Block scores: sum over heads of relu(q . k) / sqrt(d)",
+)
+register(
+    "ch06.select_blocks",
+    reference=sparse_attention.select_blocks,
+    points=2,
+    title="Keep the top blocks a query sees, and its tail",
+)
+register(
+    "ch06.read_gate",
+    reference=streams.read_gate,
+    points=1,
+    title="The read gate: streams mixed into one input",
+)
+register(
+    "ch06.write_gate",
+    reference=streams.write_gate,
+    points=1,
+    title="The write gate: the output added to each stream",
+)
+register(
+    "ch06.shift_within_segment",
+    reference=ngram_embedding.shift_within_segment,
+    points=1,
+    title="n-grams never cross an eos",
+)
+register(
+    "ch06.ngram_memory",
+    reference=lab.ngram_memory,
+    points=1,
+    title="The n-gram tables' memory and the bytes a token reads",
+)
 
 
 # --- fused_projection_order ---------------------------------------------------------------------
@@ -54,30 +82,51 @@ def naive_order(n_k, d_k, n_v, d_v):
     return torch.tensor(rows, dtype=torch.int64)
 
 
-case(ORDER, "2 key heads of 8, 6 value heads of 4 (r = 3)", lambda g: (2, 8, 6, 4),
-     expected=naive_order)  # fmt: skip
-case(ORDER, "3 key heads of 2, 6 value heads of 3 (r = 2)", lambda g: (3, 2, 6, 3),
-     expected=naive_order)  # fmt: skip
-case(ORDER, "other head counts", lambda g: (between(g, 2, 4), 2 * between(g, 1, 3), 0, 0),
-     lambda f, n_k, d_k, _a, _b: f(n_k, d_k, n_k * (n_k % 3 + 1), d_k + 1),
-     expected=lambda n_k, d_k, _a, _b: naive_order(n_k, d_k, n_k * (n_k % 3 + 1), d_k + 1),
-     hidden=True)  # fmt: skip
+case(
+    ORDER,
+    "2 key heads of 8, 6 value heads of 4 (r = 3)",
+    lambda g: (2, 8, 6, 4),
+    expected=naive_order,
+)
+case(
+    ORDER,
+    "3 key heads of 2, 6 value heads of 3 (r = 2)",
+    lambda g: (3, 2, 6, 3),
+    expected=naive_order,
+)
+case(
+    ORDER,
+    "other head counts",
+    lambda g: (between(g, 2, 4), 2 * between(g, 1, 3), 0, 0),
+    lambda f, n_k, d_k, _a, _b: f(n_k, d_k, n_k * (n_k % 3 + 1), d_k + 1),
+    expected=lambda n_k, d_k, _a, _b: naive_order(n_k, d_k, n_k * (n_k % 3 + 1), d_k + 1),
+    hidden=True,
+)
 
 
-@mistake(ORDER, "the rows are in Qwen3.5's order: Qwen3-Next groups them per key head, q_g k_g "
-         "v_g z_g for each head g (and b_g a_g), so the order is a permutation, not arange")  # fmt: skip
+@mistake(
+    ORDER,
+    "the rows are in Qwen3.5's order: Qwen3-Next groups them per key head, q_g k_g "
+    "v_g z_g for each head g (and b_g a_g), so the order is a permutation, not arange",
+)
 def order_unfused(n_k, d_k, n_v, d_v):
     return torch.arange(2 * n_k * d_k + 2 * n_v * d_v + 2 * n_v)
 
 
-@mistake(ORDER, "this is the inverse permutation: order[i] must be the Qwen3.5 row that fused "
-         "row i is (fused = unfused[order]), not where Qwen3.5's row i goes")  # fmt: skip
+@mistake(
+    ORDER,
+    "this is the inverse permutation: order[i] must be the Qwen3.5 row that fused "
+    "row i is (fused = unfused[order]), not where Qwen3.5's row i goes",
+)
 def order_inverse(n_k, d_k, n_v, d_v):
     return fused_deltanet.fused_projection_order(n_k, d_k, n_v, d_v).argsort()
 
 
-@mistake(ORDER, "b and a are interleaved per value head (b_j a_j): in_proj_ba holds, per key "
-         "head, the r betas of its value heads, then their r decays (b_g | a_g)")  # fmt: skip
+@mistake(
+    ORDER,
+    "b and a are interleaved per value head (b_j a_j): in_proj_ba holds, per key "
+    "head, the r betas of its value heads, then their r decays (b_g | a_g)",
+)
 def order_ba_per_value_head(n_k, d_k, n_v, d_v):
     order = fused_deltanet.fused_projection_order(n_k, d_k, n_v, d_v)
     qkvz, base = order[: -2 * n_v], 2 * n_k * d_k + 2 * n_v * d_v
@@ -85,8 +134,11 @@ def order_ba_per_value_head(n_k, d_k, n_v, d_v):
     return torch.cat([qkvz, ba])
 
 
-@mistake(ORDER, "in_proj_ba is not grouped: like qkvz, it is grouped per key head, b_0 a_0 | "
-         "b_1 a_1 | ..., each with the r value heads of that key head")  # fmt: skip
+@mistake(
+    ORDER,
+    "in_proj_ba is not grouped: like qkvz, it is grouped per key head, b_0 a_0 | "
+    "b_1 a_1 | ..., each with the r value heads of that key head",
+)
 def order_ba_not_grouped(n_k, d_k, n_v, d_v):
     order = fused_deltanet.fused_projection_order(n_k, d_k, n_v, d_v)
     base = 2 * n_k * d_k + 2 * n_v * d_v
@@ -102,12 +154,17 @@ def order_z_before_v(n_k, d_k, n_v, d_v):
     return torch.cat([torch.cat([q_k, z, v], 1).flatten(), order[2 * K + 2 * V :]])
 
 
-@mistake(ORDER, "each group holds one value head's v and z: key head g serves r = n_v / n_k "
-         "value heads (g r .. g r + r - 1), and its group holds all r of them")  # fmt: skip
+@mistake(
+    ORDER,
+    "each group holds one value head's v and z: key head g serves r = n_v / n_k "
+    "value heads (g r .. g r + r - 1), and its group holds all r of them",
+)
 def order_one_value_head_per_group(n_k, d_k, n_v, d_v):
-    return fused_deltanet.fused_projection_order(n_v, d_k * n_k // n_v, n_v, d_v) if (
-        d_k * n_k % n_v == 0
-    ) else torch.arange(2 * n_k * d_k + 2 * n_v * d_v + 2 * n_v).flip(0)  # fmt: skip
+    return (
+        fused_deltanet.fused_projection_order(n_v, d_k * n_k // n_v, n_v, d_v)
+        if (d_k * n_k % n_v == 0)
+        else torch.arange(2 * n_k * d_k + 2 * n_v * d_v + 2 * n_v).flip(0)
+    )
 
 
 # --- index_scores -------------------------------------------------------------------------------
@@ -131,17 +188,41 @@ def _score_inputs(B=1, h=3, T=4, n=5, d=8, dtype=torch.float32):
     return lambda g: (randn(B, h, T, d, g=g, dtype=dtype), randn(B, n, d, g=g, dtype=dtype))
 
 
-case(SCORES, "3 heads, 4 queries, 5 blocks of d = 8", _score_inputs(), expected=naive_scores,
-     atol=1e-5, rtol=1e-5)  # fmt: skip
-case(SCORES, "bfloat16 inputs: float32 scores", _score_inputs(B=2, dtype=torch.bfloat16),
-     expected=naive_scores, atol=1e-4, rtol=1e-4, seed=1)  # fmt: skip
-case(SCORES, "other sizes", lambda g: _score_inputs(between(g, 1, 2), between(g, 1, 4),
-     between(g, 1, 5), between(g, 1, 6), 4 * between(g, 1, 4))(g), expected=naive_scores,
-     atol=1e-5, rtol=1e-5, hidden=True)  # fmt: skip
+case(
+    SCORES,
+    "3 heads, 4 queries, 5 blocks of d = 8",
+    _score_inputs(),
+    expected=naive_scores,
+    atol=1e-5,
+    rtol=1e-5,
+)
+case(
+    SCORES,
+    "bfloat16 inputs: float32 scores",
+    _score_inputs(B=2, dtype=torch.bfloat16),
+    expected=naive_scores,
+    atol=1e-4,
+    rtol=1e-4,
+    seed=1,
+)
+case(
+    SCORES,
+    "other sizes",
+    lambda g: _score_inputs(
+        between(g, 1, 2), between(g, 1, 4), between(g, 1, 5), between(g, 1, 6), 4 * between(g, 1, 4)
+    )(g),
+    expected=naive_scores,
+    atol=1e-5,
+    rtol=1e-5,
+    hidden=True,
+)
 
 
-@mistake(SCORES, "relu after the sum over heads: each head's dot goes through relu first, so "
-         "a head that dislikes a block cannot cancel one that likes it")  # fmt: skip
+@mistake(
+    SCORES,
+    "relu after the sum over heads: each head's dot goes through relu first, so "
+    "a head that dislikes a block cannot cancel one that likes it",
+)
 def scores_relu_after_sum(q, keys):
     dots = q.float() @ keys.float()[:, None].transpose(-1, -2)
     return dots.sum(dim=1).relu() / math.sqrt(q.shape[-1])
@@ -157,8 +238,11 @@ def scores_mean_over_heads(q, keys):
     return sparse_attention.index_scores(q, keys) / q.shape[1]
 
 
-@mistake(SCORES, "the scores are in the inputs' dtype: compute them in float32, whatever q "
-         "and keys are (bf16 would round near-equal blocks into ties)")  # fmt: skip
+@mistake(
+    SCORES,
+    "the scores are in the inputs' dtype: compute them in float32, whatever q "
+    "and keys are (bf16 would round near-equal blocks into ties)",
+)
 def scores_input_dtype(q, keys):
     dots = q @ keys[:, None].transpose(-1, -2)
     return dots.relu().sum(dim=1) / math.sqrt(q.shape[-1])
@@ -187,20 +271,43 @@ def _select_inputs(B, T, t_all, ratio, top):
     return lambda g: (torch.rand(B, T, t_all // ratio, generator=g), t_all, ratio, top)
 
 
-case(SELECT, "a prompt of 18 tokens, blocks of 3, top 2", _select_inputs(2, 18, 18, 3, 2),
-     expected=naive_select)  # fmt: skip
-case(SELECT, "decoding: 1 new query after 22 cached, blocks of 4, top 3",
-     _select_inputs(2, 1, 23, 4, 3), expected=naive_select, seed=1)  # fmt: skip
-case(SELECT, "a piece of 5 queries after 11 cached, blocks of 2, top 4",
-     _select_inputs(1, 5, 16, 2, 4), expected=naive_select, seed=2)  # fmt: skip
+case(
+    SELECT,
+    "a prompt of 18 tokens, blocks of 3, top 2",
+    _select_inputs(2, 18, 18, 3, 2),
+    expected=naive_select,
+)
+case(
+    SELECT,
+    "decoding: 1 new query after 22 cached, blocks of 4, top 3",
+    _select_inputs(2, 1, 23, 4, 3),
+    expected=naive_select,
+    seed=1,
+)
+case(
+    SELECT,
+    "a piece of 5 queries after 11 cached, blocks of 2, top 4",
+    _select_inputs(1, 5, 16, 2, 4),
+    expected=naive_select,
+    seed=2,
+)
 case(SELECT, "top 0: the tail only", _select_inputs(1, 9, 9, 2, 0), expected=naive_select)
-case(SELECT, "other sizes", lambda g: _select_inputs(between(g, 1, 2), between(g, 1, 6),
-     between(g, 6, 20), between(g, 2, 4), between(g, 1, 4))(g), expected=naive_select,
-     hidden=True)  # fmt: skip
+case(
+    SELECT,
+    "other sizes",
+    lambda g: _select_inputs(
+        between(g, 1, 2), between(g, 1, 6), between(g, 6, 20), between(g, 2, 4), between(g, 1, 4)
+    )(g),
+    expected=naive_select,
+    hidden=True,
+)
 
 
-@mistake(SELECT, "the tail is missing: a query also reads every token after its last complete "
-         "block, up to itself (its own token included)")  # fmt: skip
+@mistake(
+    SELECT,
+    "the tail is missing: a query also reads every token after its last complete "
+    "block, up to itself (its own token included)",
+)
 def select_no_tail(scores, t_all, ratio, top_blocks):
     keep = sparse_attention.select_blocks(scores, t_all, ratio, top_blocks)
     q_pos = torch.arange(t_all - scores.shape[1], t_all)[:, None]
@@ -208,8 +315,11 @@ def select_no_tail(scores, t_all, ratio, top_blocks):
     return keep & ~tail
 
 
-@mistake(SELECT, "a block the query cannot see completely was chosen: only its complete blocks "
-         "((t + 1) // ratio of them) compete; mask the others before top-k")  # fmt: skip
+@mistake(
+    SELECT,
+    "a block the query cannot see completely was chosen: only its complete blocks "
+    "((t + 1) // ratio of them) compete; mask the others before top-k",
+)
 def select_unseen_blocks(scores, t_all, ratio, top_blocks):
     B, T, n = scores.shape
     q_pos = torch.arange(t_all - T, t_all)[:, None]
@@ -223,8 +333,11 @@ def select_unseen_blocks(scores, t_all, ratio, top_blocks):
     return keep | (chosen[..., block_of] & (k_pos < n * ratio) & (k_pos <= q_pos))
 
 
-@mistake(SELECT, "the tail reaches past the query: a query reads its tail only up to itself "
-         "(nothing after position t, ever)")  # fmt: skip
+@mistake(
+    SELECT,
+    "the tail reaches past the query: a query reads its tail only up to itself "
+    "(nothing after position t, ever)",
+)
 def select_tail_not_causal(scores, t_all, ratio, top_blocks):
     keep = sparse_attention.select_blocks(scores, t_all, ratio, top_blocks)
     q_pos = torch.arange(t_all - scores.shape[1], t_all)[:, None]
@@ -236,8 +349,11 @@ def select_lowest(scores, t_all, ratio, top_blocks):
     return sparse_attention.select_blocks(-scores, t_all, ratio, top_blocks)
 
 
-@mistake(SELECT, "a block that ends at the query is not counted as complete: a query at t sees "
-         "(t + 1) // ratio complete blocks (t // ratio misses the one it closes)")  # fmt: skip
+@mistake(
+    SELECT,
+    "a block that ends at the query is not counted as complete: a query at t sees "
+    "(t + 1) // ratio complete blocks (t // ratio misses the one it closes)",
+)
 def select_complete_off_by_one(scores, t_all, ratio, top_blocks):
     B, T, n = scores.shape
     keep = torch.zeros(B, T, t_all, dtype=torch.bool)
@@ -249,11 +365,18 @@ def select_complete_off_by_one(scores, t_all, ratio, top_blocks):
     return keep
 
 
-@mistake(SELECT, "the queries were placed at 0 .. T-1: they are the LAST T of t_all positions "
-         "(after the cached ones)")  # fmt: skip
+@mistake(
+    SELECT,
+    "the queries were placed at 0 .. T-1: they are the LAST T of t_all positions "
+    "(after the cached ones)",
+)
 def select_queries_from_zero(scores, t_all, ratio, top_blocks):
     T = scores.shape[1]
-    keep = sparse_attention.select_blocks(scores, T, ratio, top_blocks) if T >= ratio * scores.shape[2] else sparse_attention.select_blocks(scores[..., : T // ratio], T, ratio, top_blocks)  # fmt: skip
+    keep = (
+        sparse_attention.select_blocks(scores, T, ratio, top_blocks)
+        if T >= ratio * scores.shape[2]
+        else sparse_attention.select_blocks(scores[..., : T // ratio], T, ratio, top_blocks)
+    )
     return F.pad(keep, (0, t_all - T))
 
 
@@ -283,17 +406,41 @@ def naive_read(h_hat, w_down, w_up):
 
 
 case(READ, "2 streams of 4, rank 3", _read_inputs(), expected=naive_read, atol=1e-5, rtol=1e-5)
-case(READ, "3 streams of 2, rank 1", _read_inputs(1, 2, 3, 2, 1), expected=naive_read,
-     atol=1e-5, rtol=1e-5, seed=1)  # fmt: skip
-case(READ, "bfloat16 in, bfloat16 out", _read_inputs(dtype=torch.bfloat16), atol=2e-2,
-     rtol=2e-2, seed=2)  # fmt: skip
-case(READ, "other sizes", lambda g: _read_inputs(between(g, 1, 2), between(g, 1, 3),
-     between(g, 2, 4), between(g, 1, 5), between(g, 1, 4))(g), expected=naive_read, atol=1e-5,
-     rtol=1e-5, hidden=True)  # fmt: skip
+case(
+    READ,
+    "3 streams of 2, rank 1",
+    _read_inputs(1, 2, 3, 2, 1),
+    expected=naive_read,
+    atol=1e-5,
+    rtol=1e-5,
+    seed=1,
+)
+case(
+    READ,
+    "bfloat16 in, bfloat16 out",
+    _read_inputs(dtype=torch.bfloat16),
+    atol=2e-2,
+    rtol=2e-2,
+    seed=2,
+)
+case(
+    READ,
+    "other sizes",
+    lambda g: _read_inputs(
+        between(g, 1, 2), between(g, 1, 3), between(g, 2, 4), between(g, 1, 5), between(g, 1, 4)
+    )(g),
+    expected=naive_read,
+    atol=1e-5,
+    rtol=1e-5,
+    hidden=True,
+)
 
 
-@mistake(READ, "the gate's input is not divided by n, the number of streams (it keeps the "
-         "gate's input one stream's size)")  # fmt: skip
+@mistake(
+    READ,
+    "the gate's input is not divided by n, the number of streams (it keeps the "
+    "gate's input one stream's size)",
+)
 def read_no_divide(h_hat, w_down, w_up):
     return streams.read_gate(h_hat, w_down * h_hat.shape[-2], w_up)
 
@@ -317,8 +464,11 @@ def read_no_silu(h_hat, w_down, w_up):
     return (gate.view_as(h_hat) * h_hat).mean(dim=-2)
 
 
-@mistake(READ, "the gate was laid out channel-major: its n*H outputs are stream by stream, "
-         "view them as [n, H] (as the streams are flattened)")  # fmt: skip
+@mistake(
+    READ,
+    "the gate was laid out channel-major: its n*H outputs are stream by stream, "
+    "view them as [n, H] (as the streams are flattened)",
+)
 def read_gate_transposed(h_hat, w_down, w_up):
     n, H = h_hat.shape[-2:]
     gate = torch.sigmoid(F.linear(F.silu(F.linear(h_hat.flatten(-2), w_down) / n), w_up))
@@ -347,17 +497,41 @@ def naive_write(h, h_hat, y, w_inject):
 
 
 case(WRITE, "3 streams of 4", _write_inputs(), expected=naive_write, atol=1e-5, rtol=1e-5)
-case(WRITE, "2 streams of 6", _write_inputs(1, 2, 2, 6), expected=naive_write, atol=1e-5,
-     rtol=1e-5, seed=1)  # fmt: skip
-case(WRITE, "bfloat16 in, bfloat16 out", _write_inputs(dtype=torch.bfloat16), atol=3e-2,
-     rtol=2e-2, seed=2)  # fmt: skip
-case(WRITE, "other sizes", lambda g: _write_inputs(between(g, 1, 2), between(g, 1, 3),
-     between(g, 2, 4), between(g, 1, 5))(g), expected=naive_write, atol=1e-5, rtol=1e-5,
-     hidden=True)  # fmt: skip
+case(
+    WRITE,
+    "2 streams of 6",
+    _write_inputs(1, 2, 2, 6),
+    expected=naive_write,
+    atol=1e-5,
+    rtol=1e-5,
+    seed=1,
+)
+case(
+    WRITE,
+    "bfloat16 in, bfloat16 out",
+    _write_inputs(dtype=torch.bfloat16),
+    atol=3e-2,
+    rtol=2e-2,
+    seed=2,
+)
+case(
+    WRITE,
+    "other sizes",
+    lambda g: _write_inputs(between(g, 1, 2), between(g, 1, 3), between(g, 2, 4), between(g, 1, 5))(
+        g
+    ),
+    expected=naive_write,
+    atol=1e-5,
+    rtol=1e-5,
+    hidden=True,
+)
 
 
-@mistake(WRITE, "the write weight is sigmoid(.), in 0..1: it is 2 sigmoid(.), in 0..2, so a "
-         "zero gate (weight 1) is the plain residual")  # fmt: skip
+@mistake(
+    WRITE,
+    "the write weight is sigmoid(.), in 0..1: it is 2 sigmoid(.), in 0..2, so a "
+    "zero gate (weight 1) is the plain residual",
+)
 def write_no_two(h, h_hat, y, w_inject):
     return h + (streams.write_gate(h, h_hat, y, w_inject) - h) / 2
 
@@ -367,20 +541,28 @@ def write_no_divide(h, h_hat, y, w_inject):
     return streams.write_gate(h, h_hat, y, w_inject * h.shape[-2])
 
 
-@mistake(WRITE, "the output was added with weight 1 to every stream: each stream has its own "
-         "weight, 2 sigmoid(w_inject h_hat / n)")  # fmt: skip
+@mistake(
+    WRITE,
+    "the output was added with weight 1 to every stream: each stream has its own "
+    "weight, 2 sigmoid(w_inject h_hat / n)",
+)
 def write_unweighted(h, h_hat, y, w_inject):
     return h + y[..., None, :]
 
 
-@mistake(WRITE, "the output was added to the normalised streams: add it to the streams h "
-         "themselves (h_hat only decides the weights)")  # fmt: skip
+@mistake(
+    WRITE,
+    "the output was added to the normalised streams: add it to the streams h "
+    "themselves (h_hat only decides the weights)",
+)
 def write_to_h_hat(h, h_hat, y, w_inject):
     return streams.write_gate(h_hat, h_hat, y, w_inject)
 
 
-@mistake(WRITE, "the weights were computed from the raw streams: they come from the "
-         "normalised ones, h_hat")  # fmt: skip
+@mistake(
+    WRITE,
+    "the weights were computed from the raw streams: they come from the normalised ones, h_hat",
+)
 def write_weight_from_h(h, h_hat, y, w_inject):
     return streams.write_gate(h, h, y, w_inject)
 
@@ -394,8 +576,12 @@ EOS = 3
 def naive_shift(tokens, shift, eos):
     out = []
     for row in tokens.tolist():
-        out.append([eos if eos in row[t - shift + 1 : t] else row[t - shift]
-                    for t in range(shift, len(row))])  # fmt: skip
+        out.append(
+            [
+                eos if eos in row[t - shift + 1 : t] else row[t - shift]
+                for t in range(shift, len(row))
+            ]
+        )
     return torch.tensor(out, dtype=tokens.dtype).view(tokens.shape[0], -1)
 
 
@@ -403,26 +589,43 @@ SENTENCE = torch.tensor([[7, 8, 3, 9, 10, 11, 3, 12], [3, 5, 6, 3, 3, 8, 9, 10]]
 case(SHIFT, "one back, eos inside", lambda g: (SENTENCE, 1, EOS), expected=naive_shift)
 case(SHIFT, "two back: reset after eos", lambda g: (SENTENCE, 2, EOS), expected=naive_shift)
 case(SHIFT, "three back", lambda g: (SENTENCE, 3, EOS), expected=naive_shift)
-case(SHIFT, "other sequences", lambda g: (torch.randint(0, 6, (between(g, 1, 3),
-     between(g, 5, 12)), generator=g), between(g, 1, 4), EOS), expected=naive_shift,
-     hidden=True)  # fmt: skip
+case(
+    SHIFT,
+    "other sequences",
+    lambda g: (
+        torch.randint(0, 6, (between(g, 1, 3), between(g, 5, 12)), generator=g),
+        between(g, 1, 4),
+        EOS,
+    ),
+    expected=naive_shift,
+    hidden=True,
+)
 
 
-@mistake(SHIFT, "no reset: the n-gram reached back across an eos into the previous text; "
-         "where an eos lies between, the token reads as eos")  # fmt: skip
+@mistake(
+    SHIFT,
+    "no reset: the n-gram reached back across an eos into the previous text; "
+    "where an eos lies between, the token reads as eos",
+)
 def shift_no_reset(tokens, shift, eos):
     return tokens[:, : tokens.shape[1] - shift]
 
 
-@mistake(SHIFT, "an eos at t itself reset its n-gram: only the tokens strictly BETWEEN t - shift "
-         "and t count (the n-gram ending at an eos still sees what came before)")  # fmt: skip
+@mistake(
+    SHIFT,
+    "an eos at t itself reset its n-gram: only the tokens strictly BETWEEN t - shift "
+    "and t count (the n-gram ending at an eos still sees what came before)",
+)
 def shift_reset_at_current(tokens, shift, eos):
     out = ngram_embedding.shift_within_segment(tokens, shift, eos)
     return out.masked_fill(tokens[:, shift:] == eos, eos)
 
 
-@mistake(SHIFT, "only the token next to t was checked for eos: every token strictly between "
-         "t - shift and t must be")  # fmt: skip
+@mistake(
+    SHIFT,
+    "only the token next to t was checked for eos: every token strictly between "
+    "t - shift and t must be",
+)
 def shift_checks_neighbour_only(tokens, shift, eos):
     L = tokens.shape[1]
     back = tokens[:, : L - shift]
@@ -431,8 +634,11 @@ def shift_checks_neighbour_only(tokens, shift, eos):
     return back.masked_fill(tokens[:, shift - 1 : L - 1] == eos, eos)
 
 
-@mistake(SHIFT, "the reset filled 0: a token across a document boundary reads as eos (the "
-         "token every document starts after)")  # fmt: skip
+@mistake(
+    SHIFT,
+    "the reset filled 0: a token across a document boundary reads as eos (the "
+    "token every document starts after)",
+)
 def shift_fill_zero(tokens, shift, eos):
     out = ngram_embedding.shift_within_segment(tokens, shift, eos)
     crossed = (out == eos) & (tokens[:, : tokens.shape[1] - shift] != eos)
@@ -468,15 +674,43 @@ def _ngram_cfg(**fields):
     return config_from_dict(dict(lab.TINY_CONFIGS["qwen4_exp_text"], **fields))
 
 
-case(MEMORY, "n-gram tables on layers 1 and 3, bf16", lambda g: (_ngram_cfg(ple_layer_ids=[1, 3]),
-     2), expected=naive_memory)  # fmt: skip
-case(MEMORY, "rows padded to a multiple of 64, float32", lambda g: (_ngram_cfg(
-     ple_layer_ids=[2, 1], make_ngram_vocab_size_divisible_by=64, ngram_vocab_size_base=200,
-     heads_per_ngram=3, ple_embed_dim=12), 4), expected=naive_memory)  # fmt: skip
-case(MEMORY, "other tables", lambda g: (_ngram_cfg(ple_layer_ids=[1, 2, 3][: between(g, 1, 3)],
-     ngram_size=between(g, 2, 4), heads_per_ngram=1, ple_embed_dim=6,
-     ngram_vocab_size_base=between(g, 30, 300)), between(g, 1, 4)), expected=naive_memory,
-     hidden=True)  # fmt: skip
+case(
+    MEMORY,
+    "n-gram tables on layers 1 and 3, bf16",
+    lambda g: (_ngram_cfg(ple_layer_ids=[1, 3]), 2),
+    expected=naive_memory,
+)
+case(
+    MEMORY,
+    "rows padded to a multiple of 64, float32",
+    lambda g: (
+        _ngram_cfg(
+            ple_layer_ids=[2, 1],
+            make_ngram_vocab_size_divisible_by=64,
+            ngram_vocab_size_base=200,
+            heads_per_ngram=3,
+            ple_embed_dim=12,
+        ),
+        4,
+    ),
+    expected=naive_memory,
+)
+case(
+    MEMORY,
+    "other tables",
+    lambda g: (
+        _ngram_cfg(
+            ple_layer_ids=[1, 2, 3][: between(g, 1, 3)],
+            ngram_size=between(g, 2, 4),
+            heads_per_ngram=1,
+            ple_embed_dim=6,
+            ngram_vocab_size_base=between(g, 30, 300),
+        ),
+        between(g, 1, 4),
+    ),
+    expected=naive_memory,
+    hidden=True,
+)
 
 
 def _memory(
@@ -494,8 +728,11 @@ def _memory(
     return table * bytes_per_value, read * bytes_per_value
 
 
-@mistake(MEMORY, "the rows were not padded: each table is stored padded up to a multiple of "
-         "make_ngram_vocab_size_divisible_by")  # fmt: skip
+@mistake(
+    MEMORY,
+    "the rows were not padded: each table is stored padded up to a multiple of "
+    "make_ngram_vocab_size_divisible_by",
+)
 def memory_no_padding(cfg, bytes_per_value):
     return _memory(cfg, bytes_per_value, pad=False)
 
@@ -505,20 +742,29 @@ def memory_one_layer(cfg, bytes_per_value):
     return _memory(cfg, bytes_per_value, layers=1)
 
 
-@mistake(MEMORY, "each row was counted ple_embed_dim wide: a row is one head's share, "
-         "ple_embed_dim / heads (the heads' rows are concatenated into the embedding)")  # fmt: skip
+@mistake(
+    MEMORY,
+    "each row was counted ple_embed_dim wide: a row is one head's share, "
+    "ple_embed_dim / heads (the heads' rows are concatenated into the embedding)",
+)
 def memory_full_width_rows(cfg, bytes_per_value):
     return _memory(cfg, bytes_per_value, width=cfg.ple_embed_dim)
 
 
-@mistake(MEMORY, "a token reads one row per n-gram order: it reads one per hash HEAD, "
-         "heads_per_ngram of them per order")  # fmt: skip
+@mistake(
+    MEMORY,
+    "a token reads one row per n-gram order: it reads one per hash HEAD, "
+    "heads_per_ngram of them per order",
+)
 def memory_one_row_per_order(cfg, bytes_per_value):
     return _memory(cfg, bytes_per_value, heads_read=lambda c: c.ngram_size - 1)
 
 
-@mistake(MEMORY, "every layer got the first layer's primes: the layers take consecutive primes "
-         "(head_table_sizes(cfg, i) for the layer's place i)")  # fmt: skip
+@mistake(
+    MEMORY,
+    "every layer got the first layer's primes: the layers take consecutive primes "
+    "(head_table_sizes(cfg, i) for the layer's place i)",
+)
 def memory_same_primes(cfg, bytes_per_value):
     return _memory(cfg, bytes_per_value, same=True)
 

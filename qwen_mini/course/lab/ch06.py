@@ -6,8 +6,6 @@ decode-step timing of sparse vs full attention, the retrieval task the sparse at
 trained on, and the tiny checkpoints the chapter ends with. Not used to run a model.
 """
 
-from __future__ import annotations
-
 import math
 import time
 from pathlib import Path
