@@ -156,15 +156,20 @@ def order_z_before_v(n_k, d_k, n_v, d_v):
 
 @mistake(
     ORDER,
-    "each group holds one value head's v and z: key head g serves r = n_v / n_k "
-    "value heads (g r .. g r + r - 1), and its group holds all r of them",
+    "key head g's value heads were taken strided (g, g + n_k, ...): it serves the r "
+    "consecutive value heads g r .. g r + r - 1, and its group holds their v, then their z",
 )
-def order_one_value_head_per_group(n_k, d_k, n_v, d_v):
-    return (
-        fused_deltanet.fused_projection_order(n_v, d_k * n_k // n_v, n_v, d_v)
-        if (d_k * n_k % n_v == 0)
-        else torch.arange(2 * n_k * d_k + 2 * n_v * d_v + 2 * n_v).flip(0)
-    )
+def order_value_heads_strided(n_k, d_k, n_v, d_v):
+    r, K, V = n_v // n_k, n_k * d_k, n_v * d_v
+    heads = torch.arange(n_v).view(r, n_k).T  # [n_k, r]: g, g + n_k, ... (the mistake)
+
+    def rows(start, width):  # [n_k, r * width]: the rows of each key head's value heads
+        return (start + heads[..., None] * width + torch.arange(width)).flatten(1)
+
+    q = torch.arange(K).view(n_k, d_k)
+    qkvz = torch.cat([q, K + q, rows(2 * K, d_v), rows(2 * K + V, d_v)], dim=1).flatten()
+    ba = torch.cat([rows(2 * K + 2 * V, 1), rows(2 * K + 2 * V + n_v, 1)], dim=1).flatten()
+    return torch.cat([qkvz, ba])
 
 
 # --- index_scores -------------------------------------------------------------------------------
@@ -371,13 +376,19 @@ def select_complete_off_by_one(scores, t_all, ratio, top_blocks):
     "(after the cached ones)",
 )
 def select_queries_from_zero(scores, t_all, ratio, top_blocks):
-    T = scores.shape[1]
-    keep = (
-        sparse_attention.select_blocks(scores, T, ratio, top_blocks)
-        if T >= ratio * scores.shape[2]
-        else sparse_attention.select_blocks(scores[..., : T // ratio], T, ratio, top_blocks)
-    )
-    return F.pad(keep, (0, t_all - T))
+    B, T, n = scores.shape
+    q_pos = torch.arange(T)[:, None]  # the mistake: the queries' positions are t_all - T ..
+    complete = (q_pos + 1) // ratio
+    seen = torch.arange(n) < complete
+    chosen = torch.zeros(B, T, n, dtype=torch.bool)
+    if min(top_blocks, n) > 0:
+        top = scores.masked_fill(~seen, float("-inf")).topk(min(top_blocks, n), dim=-1).indices
+        chosen = chosen.scatter(-1, top, True) & seen
+    k_pos = torch.arange(t_all)
+    keep = ((k_pos >= complete * ratio) & (k_pos <= q_pos)).expand(B, T, t_all)
+    if n:
+        keep = keep | (chosen[..., (k_pos // ratio).clamp(max=n - 1)] & (k_pos < n * ratio))
+    return keep
 
 
 # --- read_gate / write_gate ---------------------------------------------------------------------
