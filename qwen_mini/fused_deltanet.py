@@ -1,3 +1,6 @@
+# Generated from solutions/ch06_family.ipynb by python -m qwen_mini.course.build —
+# edit the notebook, not this file.
+
 """Qwen3-Next's Gated DeltaNet: Qwen3.5's layer (`qwen_mini.deltanet.GatedDeltaNet`) with its
 four input projections stored as two, `in_proj_qkvz` and `in_proj_ba`, grouped per key head.
 
@@ -11,8 +14,8 @@ layers compute the same function (`fused_projection_order` says which row goes w
 import torch
 from torch import nn
 
-from .config import Config
-from .deltanet import GatedDeltaNet
+from qwen_mini.config import Config
+from qwen_mini.deltanet import GatedDeltaNet
 
 
 def fused_projection_order(n_k: int, d_k: int, n_v: int, d_v: int) -> torch.Tensor:

@@ -1,3 +1,6 @@
+# Generated from solutions/ch06_family.ipynb by python -m qwen_mini.course.build —
+# edit the notebook, not this file.
+
 """The n-gram embedding (PLE) of Qwen3.8-Flash-Next: a huge hashed table of token n-grams,
 looked up (no matrix multiply) and injected into the residual streams of a few layers.
 
@@ -24,19 +27,19 @@ A layer's state: the last N - 1 token ids (the next n-grams start in them) and t
 (K - 1) * N inputs of the convolution.
 """
 
-from __future__ import annotations
-
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import Config
-from .deltanet import DeltaNetState
-from .streams import StreamNorm
+from qwen_mini.config import Config
+from qwen_mini.deltanet import DeltaNetState
+from qwen_mini.streams import StreamNorm
 
 MASK64 = (1 << 64) - 1
+
+
 SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
 
 

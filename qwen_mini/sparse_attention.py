@@ -1,3 +1,6 @@
+# Generated from solutions/ch06_family.ipynb by python -m qwen_mini.course.build —
+# edit the notebook, not this file.
+
 """Qwen Sparse Attention (QSA), the attention of Qwen3.8-Flash-Next: each query attends only to
 the few blocks of the context a small indexer scores highest, plus the tokens of the block it is
 in that is not complete yet.
@@ -24,18 +27,45 @@ boundary are broken arbitrarily (by index in torch.topk), so two implementations
 different blocks there.
 """
 
-from __future__ import annotations
-
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import GatedAttention, KVCache
-from .config import Config
-from .rope import apply_partial_rope
-from .rope_scaling import rotary_cos_sin
+from qwen_mini.attention import GatedAttention, KVCache
+from qwen_mini.config import Config
+from qwen_mini.rope import apply_partial_rope
+from qwen_mini.rope_scaling import rotary_cos_sin
+
+
+def index_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q [B, h, T, d], keys [B, n, d] -> scores [B, T, n] (float32): for every query and block,
+    sum over the heads of relu(q_h . k_b), divided by sqrt(d)."""
+    dots = q.float() @ keys.float()[:, None].transpose(-1, -2)  # [B, h, T, n], in float32
+    return dots.relu().sum(dim=1) / math.sqrt(q.shape[-1])  # relu per head, then the vote
+
+
+def select_blocks(scores: torch.Tensor, t_all: int, ratio: int, top_blocks: int) -> torch.Tensor:
+    """scores [B, T, n_blocks] of the last T of t_all positions -> keep [B, T, t_all] (bool):
+    the top `top_blocks` complete blocks each query sees, and its tail (itself included)."""
+    B, T, n = scores.shape
+    r, device = ratio, scores.device
+    q_pos = torch.arange(t_all - T, t_all, device=device)[:, None]  # [T, 1]
+    complete = (q_pos + 1) // r  # [T, 1]: the blocks a query sees whole
+    seen = torch.arange(n, device=device) < complete  # [T, n]
+    chosen = torch.zeros(B, T, n, dtype=torch.bool, device=device)
+    k = min(top_blocks, n)
+    if k > 0:  # blocks it cannot see score -inf; any picked anyway are dropped by `seen`
+        top = scores.masked_fill(~seen, float("-inf")).topk(k, dim=-1).indices
+        chosen = chosen.scatter(-1, top, True) & seen
+    k_pos = torch.arange(t_all, device=device)  # [t_all]
+    tail = (k_pos >= complete * r) & (k_pos <= q_pos)  # [T, t_all]
+    keep = tail.expand(B, T, t_all)
+    if n:  # the tokens of the chosen blocks (positions past the last block are in none)
+        block_of = (k_pos // r).clamp(max=n - 1)
+        keep = keep | (chosen[..., block_of] & (k_pos < n * r))
+    return keep  # [B, T, t_all]
 
 
 class IndexedKVCache(KVCache):
@@ -115,28 +145,11 @@ class QSAIndexer(nn.Module):
             keys = cache.update_blocks(known, self.block_keys(raw, known))  # [B, n_blocks, d]
         else:
             keys = self.block_keys(raw)
-        dots = q.float() @ keys.float()[:, None].transpose(-1, -2)  # [B, h, T, n_blocks]
-        return dots.relu().sum(dim=1) / math.sqrt(self.head_dim)
+        return index_scores(q, keys)  # [B, T, n_blocks]
 
     def select(self, scores: torch.Tensor, t_all: int) -> torch.Tensor:
         """scores [B, T, n_blocks] of the last T of t_all positions -> keep [B, T, t_all]."""
-        B, T, n = scores.shape
-        r, device = self.ratio, scores.device
-        q_pos = torch.arange(t_all - T, t_all, device=device)[:, None]  # [T, 1]
-        complete = (q_pos + 1) // r  # [T, 1]: the blocks a query sees whole
-        seen = torch.arange(n, device=device) < complete  # [T, n]
-        chosen = torch.zeros(B, T, n, dtype=torch.bool, device=device)
-        k = min(self.top_blocks, n)
-        if k > 0:  # blocks it cannot see score -inf; any picked anyway are dropped by `seen`
-            top = scores.masked_fill(~seen, float("-inf")).topk(k, dim=-1).indices
-            chosen = chosen.scatter(-1, top, True) & seen
-        k_pos = torch.arange(t_all, device=device)  # [t_all]
-        tail = (k_pos >= complete * r) & (k_pos <= q_pos)  # [T, t_all]
-        keep = tail.expand(B, T, t_all)
-        if n:  # the tokens of the chosen blocks (positions past the last block are in none)
-            block_of = (k_pos // r).clamp(max=n - 1)
-            keep = keep | (chosen[..., block_of] & (k_pos < n * r))
-        return keep  # [B, T, t_all]
+        return select_blocks(scores, t_all, self.ratio, self.top_blocks)
 
     def top_blocks_of_last(self, scores: torch.Tensor) -> torch.Tensor:
         """scores [B, 1, n_blocks] of the last position -> the blocks it keeps [B, k]. It sees
@@ -208,7 +221,7 @@ class IndexedAttention(GatedAttention):
 
 def indexer_problems(t: dict) -> list[str]:
     """What the indexer needs of config.json's text fields `t` (see qwen_mini.validation)."""
-    from .validation import _show, _size_problem
+    from qwen_mini.validation import _show, _size_problem
 
     if not {"full_attention", "indexed_attention"} & set(t.get("layer_types") or []):
         return []

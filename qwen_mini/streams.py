@@ -1,3 +1,6 @@
+# Generated from solutions/ch06_family.ipynb by python -m qwen_mini.course.build —
+# edit the notebook, not this file.
+
 """Gated residual streams (hyper-connections), as Qwen3.8-Flash-Next (qwen4_exp) uses them.
 
 One residual stream carries `x + mixer(norm(x))` from layer to layer. Here `hc_count` streams run
@@ -18,15 +21,33 @@ final norm. Shapes: streams h [B, T, n, hidden]; the gates' linear maps act on t
 flattened, [B, T, n * hidden], as the checkpoint stores them.
 """
 
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import Config
-from .norms import ZeroCentredRMSNorm
-from .rope_scaling import rotary_cos_sin
+from qwen_mini.config import Config
+from qwen_mini.norms import ZeroCentredRMSNorm
+from qwen_mini.rope_scaling import rotary_cos_sin
+
+
+def read_gate(h_hat: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """The normalised streams h_hat [B, T, n, H] mixed into one sublayer input [B, T, H]:
+    gate = sigmoid(w_up silu(w_down h_hat_flat / n)) per stream and channel, then the mean over
+    the streams of gate * h_hat."""
+    n = h_hat.shape[-2]
+    low = F.silu(F.linear(h_hat.flatten(-2), w_down) / n)  # [B, T, r]: the streams, compressed
+    gate = torch.sigmoid(F.linear(low, w_up)).view_as(h_hat)  # [B, T, n, H], each in 0..1
+    return (gate * h_hat).mean(dim=-2)
+
+
+def write_gate(
+    h: torch.Tensor, h_hat: torch.Tensor, y: torch.Tensor, w_inject: torch.Tensor
+) -> torch.Tensor:
+    """The streams h [B, T, n, H] after adding y [B, T, H] to each with the weight
+    2 sigmoid(w_inject h_hat_flat / n) of that stream (in 0..2)."""
+    n = h.shape[-2]
+    weight = 2 * torch.sigmoid(F.linear(h_hat.flatten(-2), w_inject) / n)  # [B, T, n]
+    return h + weight[..., None] * y[..., None, :]  # [B, T, n, 1] * [B, T, 1, H]
 
 
 class StreamNorm(ZeroCentredRMSNorm):
@@ -57,9 +78,8 @@ class StreamReader(nn.Module):
     def read(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [B, T, n, H] -> (the sublayer's input [B, T, H], the normalised streams)."""
         h_hat = self.hc_norm(h)  # [B, T, n, H]
-        low = F.silu(self.input_mix_weight_down(h_hat.flatten(-2)) / self.n_streams)
-        gate = torch.sigmoid(self.input_mix_weight_up(low)).view_as(h_hat)  # per channel, 0..1
-        return (gate * h_hat).mean(dim=-2), h_hat
+        w_down, w_up = self.input_mix_weight_down.weight, self.input_mix_weight_up.weight
+        return read_gate(h_hat, w_down, w_up), h_hat
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [B, T, n, H] -> [B, T, H]
         return self.read(h)[0]
@@ -77,8 +97,7 @@ class GatedResidual(StreamReader):
     def write(self, h: torch.Tensor, h_hat: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The streams h [B, T, n, H] after adding the sublayer's output y [B, T, H] to each,
         weighted per stream by 2 sigmoid(.) in (0, 2), from the normalised streams h_hat."""
-        weight = 2 * torch.sigmoid(self.block_inject_weight(h_hat.flatten(-2)) / self.n_streams)
-        return h + weight[..., None] * y[..., None, :]  # [B, T, n, 1] * [B, T, 1, H]
+        return write_gate(h, h_hat, y, self.block_inject_weight.weight)
 
     def forward(self, h: torch.Tensor, sublayer) -> torch.Tensor:
         """h [B, T, n, H] -> [B, T, n, H]: read, run `sublayer` ([B, T, H] -> [B, T, H]), write."""
@@ -161,15 +180,17 @@ class HyperConnectedLayer(nn.Module):
         return self.mlp_hyper_connection(h, self.mlp)
 
 
-def hyper_connected_layer(cfg: Config, layer_idx: int, arch) -> nn.Module:
+def hyper_connected_layer(cfg: Config, layer_idx: int, arch, ple_layer=None) -> nn.Module:
     """Layer `layer_idx` of a qwen4_exp model: the row's mixer (by `layer_types`) and
-    feed-forward, and an n-gram embedding where `ple_layer_ids` lists the layer (1-indexed)."""
-    from .ngram_embedding import PLELayer  # (it builds on StreamNorm, defined here)
+    feed-forward, and an n-gram embedding (`ple_layer`, default the package's PLELayer) where
+    `ple_layer_ids` lists the layer (1-indexed)."""
+    if ple_layer is None:  # imported here: the n-gram embedding builds on StreamNorm, above
+        from qwen_mini.ngram_embedding import PLELayer as ple_layer
 
     layer_type = cfg.layer_types[layer_idx]
     ple = None
     if layer_idx + 1 in cfg.ple_layer_ids:  # its place in the list picks its hash and primes
-        ple = PLELayer(cfg, cfg.ple_layer_ids.index(layer_idx + 1))
+        ple = ple_layer(cfg, cfg.ple_layer_ids.index(layer_idx + 1))
     return HyperConnectedLayer(
         arch.mixer_names[layer_type],
         arch.mixers[layer_type](cfg, layer_idx, arch),
@@ -198,7 +219,7 @@ def hyper_connected_forward(model, input_ids: torch.Tensor, cache=None, last_onl
 def streams_problems(t: dict) -> list[str]:
     """What the layers of a qwen4_exp model need of config.json's text fields `t` (with the
     row's defaults filled in): the streams, the n-gram embedding, the experts, the output gate."""
-    from .validation import _is_int, _show, _size_problem
+    from qwen_mini.validation import _is_int, _show, _size_problem
 
     problems = []
     layers, layer_types = t["num_hidden_layers"], t.get("layer_types")
@@ -231,7 +252,7 @@ def streams_problems(t: dict) -> list[str]:
 
 
 def _ple_problems(t: dict, ids: list, layers: int, layer_types) -> list[str]:
-    from .validation import _show, _size_problem
+    from qwen_mini.validation import _show, _size_problem
 
     problems = []
     names = {"ple_conv_kernel_size": 1, "ngram_size": 2, "heads_per_ngram": 1}

@@ -19,6 +19,7 @@ CHAPTERS = {
     3: "ch03_moe.ipynb",
     4: "ch04_thinking.ipynb",
     5: "ch05_deltanet.ipynb",
+    6: "ch06_family.ipynb",
 }
 
 
@@ -74,6 +75,12 @@ CHEATS = {
         "ch05.decay_mask",
         'from qwen_mini.deltanet import decay_mask\n\ncheck("ch05.decay_mask", decay_mask)',
     ),
+    6: (
+        "ch06-020",
+        "ch06.index_scores",
+        "from qwen_mini.sparse_attention import index_scores\n\n"
+        'check("ch06.index_scores", index_scores)',
+    ),
 }
 
 
@@ -102,6 +109,7 @@ STUBS = {
     3: [("1fc59484", "ch03.routing_statistics", "ch03.load_balancing_loss")],
     4: [("c4000011", "ch04.render_turn", "ch04.render_prompt")],
     5: [("898e47cd", "ch05.decay_mask", "ch05.chunk_loop")],
+    6: [("ch06-039", "ch06.read_gate", "ch06.write_gate")],
 }
 
 

@@ -11,7 +11,7 @@ from qwen_mini.course.grading.monitor import Snapshot, _codes, fingerprint
 from qwen_mini.course.grading.sandbox import _chapter_spec
 from qwen_mini.course.grading.worker import _references
 
-CHAPTERS = [f"ch{n:02d}" for n in range(6)]
+CHAPTERS = [f"ch{n:02d}" for n in range(7)]
 
 
 def test_recompiled_copies_of_a_reference_are_recognised():

@@ -30,7 +30,7 @@ from qwen_mini.moe import SharedExpertMoeBlock
 from qwen_mini.validation import ConfigError
 
 TOL = 1e-4  # as test_oracle.py: max abs logit difference, float32 both sides
-REAL = Path(__file__).parent / "data" / "configs"
+REAL = qwen_mini.ASSETS / "configs"  # the reconstructed ones: see each folder's PROVENANCE.md
 
 # --- Qwen3-Next's fused projections: a fixed permutation of Qwen3.5's four ---------------------
 

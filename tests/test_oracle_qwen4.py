@@ -26,7 +26,6 @@ import json
 import re
 import resource
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -331,7 +330,7 @@ def test_fields_transformers_ignores_are_refused_when_they_would_differ():
 
 # --- the real Qwen3.8-Flash-Next, on the meta device ---------------------------------------------
 
-REAL = Path(__file__).parent / "data" / "qwen3.8-flash-next"  # reconstructed: see PROVENANCE.md
+REAL = qwen_mini.ASSETS / "configs" / "qwen3.8-flash-next"  # reconstructed: see PROVENANCE.md
 
 
 @pytest.fixture(scope="module")
