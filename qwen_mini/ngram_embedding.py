@@ -203,14 +203,15 @@ class PLEState(DeltaNetState):
 
     def __init__(self, history: torch.Tensor, conv: torch.Tensor):
         self.conv, self.recurrent = conv, history
-        self.length, self._staged = 0, None
+        self.length = 0
+        self.staged_conv = self.staged_recurrent = None  # what update staged, until commit
 
     @property
     def history(self) -> torch.Tensor:
         return self.recurrent
 
     def update(self, history: torch.Tensor, conv: torch.Tensor) -> None:
-        self._staged = (conv, history)  # as they are: ids stay integers
+        self.staged_conv, self.staged_recurrent = conv, history  # as they are: ids stay integers
 
 
 def signed_sqrt(x: torch.Tensor) -> torch.Tensor:
