@@ -15,7 +15,6 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from qwen_mini import attention as ref
 from qwen_mini import decoder as dec
@@ -34,6 +33,7 @@ from qwen_mini.course.checking import (
     register,
     seeded,
 )
+from qwen_mini.course.fakes.ch01 import Recorder, SpyCache, Watched
 from qwen_mini.course.lab import ch01 as lab
 from qwen_mini.course.observing import observe
 from qwen_mini.model import CausalLM
@@ -609,18 +609,6 @@ def _rope(cfg, start, T):
     return rope_cos_sin(torch.arange(start, start + T), cfg.head_dim, cfg.rope_theta)
 
 
-class _SpyCache(ref.KVCache):
-    """The package's cache, recording what each update stores."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.stored = []
-
-    def update(self, k, v):
-        self.stored.append((k.detach().clone(), v.detach().clone()))
-        return super().update(k, v)
-
-
 def _inputs_of(module, where: list):
     def hook(mod, args):
         where.append(args[0].detach().clone())
@@ -638,7 +626,7 @@ def _attention_stages(Attention, cfg, seed, B=1, cached=0, T=4):
     cache = None
     with torch.no_grad():
         if cached:
-            cache = _SpyCache(B, H_kv, D, dtype=torch.float32)
+            cache = SpyCache(B, H_kv, D, dtype=torch.float32)
             reference(x[:, :cached], *_rope(cfg, 0, cached), cache)
             cache.commit(cached)
             cache.stored.clear()
@@ -1025,23 +1013,6 @@ register(
 )
 
 
-class _Recorder(nn.Module):
-    """A stand-in block: `proj(x)` (a Linear), recording what it was called with."""
-
-    def __init__(self, dim: int, seed: int, mixer: bool):
-        super().__init__()
-        self.proj = nn.Linear(dim, dim, bias=False)
-        with torch.no_grad():
-            self.proj.weight.copy_(torch.randn(dim, dim, generator=seeded(seed)) * 0.5)
-        self.mixer, self.calls = mixer, []
-
-    def forward(self, x, *args, **kwargs):
-        names = ("cos", "sin", "cache")[len(args) :]  # keywords, in the protocol's order
-        args = args + tuple(kwargs[n] for n in names if n in kwargs)
-        self.calls.append((x.detach().clone(), args))
-        return self.proj(x)
-
-
 def _norm(dim: int, seed: int) -> RMSNorm:
     norm = RMSNorm(dim)
     with torch.no_grad():
@@ -1051,8 +1022,8 @@ def _norm(dim: int, seed: int) -> RMSNorm:
 
 def _layer_parts(dim, seed):
     return (
-        _Recorder(dim, seed, True),
-        _Recorder(dim, seed + 1, False),
+        Recorder(dim, seed, True),
+        Recorder(dim, seed + 1, False),
         _norm(dim, seed + 2),
         _norm(dim, seed + 3),
     )
@@ -1476,28 +1447,6 @@ def _(load_weights):
 # generation
 
 
-class _Watched:
-    """A model that records its calls: how many tokens each call fed, with which cache."""
-
-    def __init__(self, model):
-        self.model, self.calls, self.caches = model, [], []
-        self.config, self.lm_head = model.config, model.lm_head
-
-    def parameters(self):
-        return self.model.parameters()
-
-    def new_cache(self, batch_size=1):
-        cache = self.model.new_cache(batch_size)
-        self.caches.append(cache)
-        return cache
-
-    def __call__(self, ids, cache=None, last_only=False):
-        self.calls.append((ids.clone(), cache, last_only))
-        return self.model(ids, cache=cache, last_only=last_only)
-
-    forward = __call__
-
-
 def _reference_tokens(model, prompt, n, choose, stop=()):
     """Recompute the whole sequence at every step, no cache: independent of any cache code."""
     ids, out = list(prompt), []
@@ -1520,7 +1469,7 @@ def _check_decode(decode, seed, prompt_len, n, choose=None, stop=None, stop_at=N
     prompt = torch.randint(0, 64, (prompt_len,), generator=seeded(seed + 1)).tolist()
     if stop_at is not None:  # stop at the token greedy decoding reaches at step `stop_at`
         stop = {_reference_tokens(model, prompt, stop_at + 1, dec.greedy)[stop_at]}
-    watched = _Watched(model)
+    watched = Watched(model)
     kwargs = {}
     if choose is not None:
         kwargs["choose"] = choose

@@ -16,6 +16,7 @@ from torch import nn
 
 from qwen_mini import moe as ref
 from qwen_mini.course.checking import between, case, mistake, named, randn, register
+from qwen_mini.course.fakes.ch03 import CountingExpert
 from qwen_mini.course.lab import ch03 as lab
 from qwen_mini.mlp import MLP
 
@@ -170,18 +171,6 @@ def route_softmax_in_bfloat16(logits, k, norm_topk_prob=True):
 # --- grouped_dispatch -----------------------------------------------------------------------------
 
 
-class _Expert(nn.Sequential):
-    """An expert that counts its calls in `forward` itself: a hook would not see a call of
-    `expert.forward(x)`, which skips the hooks. `count` is set by the case that counts."""
-
-    def forward(self, x):
-        self.count(x.shape[0])
-        return super().forward(x)
-
-    def count(self, rows: int) -> None:
-        pass
-
-
 def _experts(g, n: int, h: int) -> list[nn.Module]:
     """n non-linear experts (tanh of a linear map: a sum of inputs would not pass)."""
     experts = []
@@ -189,7 +178,7 @@ def _experts(g, n: int, h: int) -> list[nn.Module]:
         linear = nn.Linear(h, h, bias=False)
         with torch.no_grad():
             linear.weight.copy_(torch.randn(h, h, generator=g) / h**0.5)
-        experts.append(_Expert(linear, nn.Tanh()))
+        experts.append(CountingExpert(linear, nn.Tanh()))
     return experts
 
 
@@ -227,7 +216,7 @@ def _dispatched(grouped_dispatch, x, weights, idx, experts):
 
 def _scaling_experts(g):
     # token 0: 0.75 * 1000 x0 + 0.25 * 10 x0 = 752.5 x0; token 1: 0.5 * 10 x1 + 0.5 * 100 x1
-    experts = [_Expert(nn.Linear(2, 2, bias=False)) for _ in range(3)]
+    experts = [CountingExpert(nn.Linear(2, 2, bias=False)) for _ in range(3)]
     with torch.no_grad():
         for expert, scale in zip(experts, (10.0, 100.0, 1000.0), strict=True):
             expert[0].weight.copy_(scale * torch.eye(2))
