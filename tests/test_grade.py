@@ -775,6 +775,20 @@ def test_a_blank_notebook_earns_nothing(graded, name):
     assert "passed" not in statuses(rows, name)
 
 
+def test_an_error_in_the_learners_code_gives_the_line_of_their_cell(graded):
+    _, rows, reports, _, _ = graded
+    name = "s3_raises_in_its_checks"
+    exercises = reports[name]["exercises"]
+    assert rows[name]["ch98.add_two status"] == "passed"  # only the raising pieces cost points
+    hidden = exercises["ch98.add_one"]["message"]
+    assert hidden.startswith("a hidden check failed: integer input (your code raised TypeError")
+    assert 'line 3: raise TypeError("only floats, please")' in hidden, hidden
+    public = exercises["ch98.mean_square"]["message"]
+    assert "your code raised TypeError" in public and "keepdims_typo" in public, public
+    assert "line 3: return squares.mean(dim, keepdims_typo=True))" in public, public
+    assert re.search(r"\(cell \d+, line 3: ", public), public
+
+
 def test_wrong_types_are_named_in_the_message(graded):
     reports = graded[2]
     entry = reports["s4_tensor_subclass"]["exercises"]["ch98.mean_square"]
