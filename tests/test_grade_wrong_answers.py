@@ -264,6 +264,12 @@ def _grade(folder: Path, chapter: int, files: list[Path]) -> dict[str, dict]:
         return {Path(r["notebook"]).stem: r for r in csv.DictReader(f)}
 
 
+# Mistakes the grader would fail with the right points but name by the stage that differs, not
+# by the idea: none. (The grader names a mistake by running the catalogued mistakes itself, and
+# makes their observations of how code runs there, with the random stream the learner's code
+# draws from in the sandbox: see checking._result and sandbox.Connection.request.)
+NAMED_BY_STAGE: set[tuple[str, str]] = set()
+
 CORPUS = corpus()
 CHAPTERS = sorted({int(c[0][2:4]) for c in CORPUS})
 
@@ -303,6 +309,7 @@ def test_every_wrong_answer_scores_zero_through_the_grader(tmp_path, chapter):
                 status == "failed"
                 and "hidden check" not in message
                 and idea.lower() not in message.lower()
+                and (exercise, getattr(answer, "__name__", "source")) not in NAMED_BY_STAGE
             ):
                 problems.append(f"{what}: the message does not name {idea!r}: {message}")
         for exercise in ref.ids:  # nothing else in the notebook: missing, and 0

@@ -181,7 +181,7 @@ class Worker:
             raise
         except BaseException as e:  # the learner's exception, sent as a description
             where = learner_line(e, self.cells.get)[:300]
-            result = {"raise": {"type": _type_name(e), "msg": _text(e), "where": where}}
+            result = {"raise": {"type": _type_name(e), "msg": _message(e), "where": where}}
         if message.get("op") in byvalue.STATE_OPS:
             try:  # what the learner's code did to the objects the check passed in
                 result.update(self.changes())
@@ -340,6 +340,14 @@ def _text(e: BaseException, limit: int = 2000) -> str:
     except BaseException:
         text = "(an exception whose message could not be read)"
     return text[:limit]
+
+
+def _message(e: BaseException) -> str:
+    """What the grader rebuilds `e` from: its text; a KeyError's key itself (the grader's
+    KeyError(key) then reads as this one does: str() of a KeyError quotes its key)."""
+    if isinstance(e, KeyError) and len(e.args) == 1 and type(e.args[0]) is str:
+        return e.args[0][:2000]
+    return _text(e)
 
 
 def _exception(info) -> BaseException:
