@@ -253,6 +253,17 @@ def write_checkpoint(
     return model
 
 
+def loaded_pair(folder: Path, model_type: str, tied: bool):
+    """(qwen_mini's model, transformers') loaded from one checkpoint folder, float32, eval; the
+    class that wrote it reads it (the Auto class would read a multimodal Qwen3.5 as text-only)."""
+    import qwen_mini
+
+    ours = qwen_mini.load_model(folder, dtype=torch.float32).eval()
+    ref = HF_CLASSES[model_type][1].from_pretrained(folder, dtype=torch.float32).eval()
+    assert ours.config.tie_word_embeddings == ref.config.tie_word_embeddings == tied
+    return ours, ref
+
+
 def greedy_reference(model, input_ids: torch.Tensor, n_new: int, tol: float, **generate_args):
     """transformers' greedy continuation of input_ids [1, T] by n_new tokens: the sequences
     [1, T + n_new]. Checked to be worth comparing to: the best token leads the runner-up by

@@ -188,7 +188,7 @@ def _docline(fn: Callable) -> str:
 
 def public(exercise_id: str, name: str | None = None):
     """Decorate `def _(obj): ...`: a check the learner runs; it raises AssertionError to fail.
-    For what is not yet a case (a stateful exercise diagnosed stage by stage by hand)."""
+    For a check that is not a case (the chapters write cases; the test fixtures use these)."""
     return _check_function(exercise_id, "public", name)
 
 

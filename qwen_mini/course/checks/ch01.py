@@ -1323,41 +1323,23 @@ def _forward_yarn(model_forward):
     return stages | {"logits of the YaRN-scaled model": out}
 
 
-case(
-    FORWARD,
-    "no cache: layers, positions, final norm, head",
-    lambda g: (),
-    lambda f: _forward_plain(f, 70, 2, 5),
-    atol=1e-5,
-    rtol=1e-4,
-)
-case(
-    FORWARD,
-    "3 tokens after 4 cached, and last_only",
-    lambda g: (),
-    lambda f: _forward_cached(f, 72, 4, 3, False),
-    atol=1e-5,
-    rtol=1e-4,
-)
-case(
-    FORWARD,
-    "the angles of a config with RoPE scaling",
-    lambda g: (),
-    _forward_yarn,
-    atol=1e-5,
-    rtol=1e-4,
-)
-case(
-    FORWARD,
-    "one token after 5 cached, batch 3, untied Qwen2 with 6 heads on 1",
-    lambda g: (),
-    lambda f: _forward_cached(
-        f, 74, 5, 1, True, 3, qwen3=False, tied=False, n_heads=6, n_kv=1, layers=3
+for _name, _call, _hidden in [
+    ("no cache: layers, positions, final norm, head", lambda f: _forward_plain(f, 70, 2, 5), False),
+    (
+        "3 tokens after 4 cached, and last_only",
+        lambda f: _forward_cached(f, 72, 4, 3, False),
+        False,
     ),
-    atol=1e-5,
-    rtol=1e-4,
-    hidden=True,
-)
+    ("the angles of a config with RoPE scaling", _forward_yarn, False),
+    (
+        "one token after 5 cached, batch 3, untied Qwen2 with 6 heads on 1",
+        lambda f: _forward_cached(
+            f, 74, 5, 1, True, 3, qwen3=False, tied=False, n_heads=6, n_kv=1, layers=3
+        ),
+        True,
+    ),
+]:
+    case(FORWARD, _name, lambda g: (), _call, atol=1e-5, rtol=1e-4, hidden=_hidden)
 
 
 def forward_variant(kind):

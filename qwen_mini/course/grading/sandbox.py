@@ -461,7 +461,8 @@ class Connection:
                 self.codec.mirrors[i] = (h, tensor, tensor._version)
         if sync:
             out["sync"] = sync
-        if message["op"] == "call":  # the learner's code draws from the check's random stream
+        if message["op"] in byvalue.STATE_OPS:  # the learner's code draws from the check's
+            # random stream (sent when it moved here since the worker last had it)
             state = torch.get_rng_state()
             if self.rng is None or not torch.equal(state, self.rng):
                 out["rng"] = protocol.rng_text(state)

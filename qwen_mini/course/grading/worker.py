@@ -131,6 +131,7 @@ class Worker:
         self.observations: dict[int, object] = {}  # what the checks asked to observe now
         self.observing = False
         self.learner_rng = None  # torch's random state before the checks shared theirs
+        self.rng_reported = None  # the shared state as the grader last knew it
 
     # the learner's check() and use(): grading happens in the grader
 
@@ -187,10 +188,13 @@ class Worker:
                 result.update(self.changes())
             except BaseException as e:
                 result = {"raise": {"type": _type_name(e), "msg": _text(e)}}
-        if self.learner_rng is not None and message.get("op") == "call":
+        if self.learner_rng is not None and message.get("op") in byvalue.STATE_OPS:
             import torch
 
-            result["rng"] = protocol.rng_text(torch.get_rng_state())
+            state = torch.get_rng_state()  # where the learner's code left the check's stream
+            if not torch.equal(state, self.rng_reported):
+                result["rng"] = protocol.rng_text(state)
+                self.rng_reported = state
         protocol.send(self.sock, dict(result, id=message.get("id")))
 
     @contextlib.contextmanager
@@ -237,7 +241,8 @@ class Worker:
         if "rng" in m:  # the check's random stream, as in the notebook
             if self.learner_rng is None:
                 self.learner_rng = torch.get_rng_state()
-            torch.set_rng_state(protocol.rng_state(m["rng"]))
+            self.rng_reported = protocol.rng_state(m["rng"])
+            torch.set_rng_state(self.rng_reported)
         if op == "restore_rng":
             if self.learner_rng is not None:
                 torch.set_rng_state(self.learner_rng)
