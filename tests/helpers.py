@@ -179,9 +179,22 @@ ZERO_CENTRED_NORMS = (
 )
 
 
-def randomize(model: torch.nn.Module, seed: int = 0, std: float = 0.2) -> torch.nn.Module:
+def randomize(
+    model: torch.nn.Module,
+    seed: int = 0,
+    std: float = 0.2,
+    *,
+    fan_in: bool = False,
+    scales: dict[str, float] | None = None,
+    a_log: tuple[float, float] | None = None,
+) -> torch.nn.Module:
     """Weights large enough that logits differ clearly (the default init gives near-zero logits,
-    which would let a wrong implementation pass a tolerance check). Norms stay near 1."""
+    which would let a wrong implementation pass a tolerance check). Norms stay near 1.
+
+    `fan_in`: a weight's noise is std / sqrt(its last dimension) (a block's activations keep
+    their scale). `scales`: {parameter name: factor} on that parameter's noise (router logits
+    spread enough that routing is not flat). `a_log`: DeltaNet's decay rates exp(A_log) drawn
+    uniformly from (low, high), weak to strong decays (else A_log is noise like any weight)."""
     g = torch.Generator().manual_seed(seed)
     # Qwen3.5's norms scale by (1 + weight): their "near 1" is a weight near 0
     zero_centred = {
@@ -192,10 +205,15 @@ def randomize(model: torch.nn.Module, seed: int = 0, std: float = 0.2) -> torch.
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
-            if name in zero_centred:
+            if a_log is not None and name.rsplit(".", 1)[-1] == "A_log":
+                p.copy_(torch.empty(p.shape).uniform_(*a_log, generator=g).log())
+            elif name in zero_centred:
                 p.copy_(0.1 * noise)
+            elif "norm" in name:
+                p.copy_(1 + 0.1 * noise)
             else:
-                p.copy_(1 + 0.1 * noise if "norm" in name else std * noise)
+                scale = std / p.shape[-1] ** 0.5 if fan_in else std
+                p.copy_(noise * scale * (scales or {}).get(name, 1.0))
     return model
 
 
@@ -233,6 +251,17 @@ def write_checkpoint(
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(folder, **kwargs)
     return model
+
+
+def loaded_pair(folder: Path, model_type: str, tied: bool):
+    """(qwen_mini's model, transformers') loaded from one checkpoint folder, float32, eval; the
+    class that wrote it reads it (the Auto class would read a multimodal Qwen3.5 as text-only)."""
+    import qwen_mini
+
+    ours = qwen_mini.load_model(folder, dtype=torch.float32).eval()
+    ref = HF_CLASSES[model_type][1].from_pretrained(folder, dtype=torch.float32).eval()
+    assert ours.config.tie_word_embeddings == ref.config.tie_word_embeddings == tied
+    return ours, ref
 
 
 def greedy_reference(model, input_ids: torch.Tensor, n_new: int, tol: float, **generate_args):

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen_mini.course import build
+from qwen_mini.course import build, checking
 from qwen_mini.course import notebooks as nbs
 from qwen_mini.course.checking import PATH_ENV
 from qwen_mini.course.grading import cli as grade
@@ -158,6 +158,7 @@ def graded(tmp_path_factory):
     started = time.monotonic()
     code = _run(folder, out, ["--jobs", "2", str(folder)])  # two grading processes at once
     seconds = time.monotonic() - started
+    (folder / "secret.txt").write_text(str(checking._SECRET))  # the run's, drawn in this process
     rows = _rows(out)
     reports = {}
     for p in (folder / "out" / "grades-reports").glob("*.json"):
@@ -338,6 +339,22 @@ def test_no_check_is_loaded_and_solutions_are_out_of_reach(graded):
     _, rows, reports, _, _ = graded
     name = "s4_reads_hidden_checks"
     assert "GOT" not in reports[name]["process_output"], reports[name]["process_output"]
+    assert rows[name]["total"] == "0" and "passed" not in statuses(rows, name)
+
+
+@ONLY_ISOLATED
+def test_the_package_check_modules_and_the_secret_are_out_of_reach(graded):
+    # the hidden cases' generators are in qwen_mini/course/checks/, their inputs drawn with the
+    # grader's secret: neither is importable, readable or listed in the sandbox
+    _, rows, reports, _, folder = graded
+    name = "s4_imports_package_checks"
+    output = reports[name]["process_output"]
+    assert "GOT" not in output, output
+    assert len(_printed(reports, name, "NOT imported ")) == 6, output
+    assert len(_printed(reports, name, "NOT registered ")) == 6, output
+    assert _printed(reports, name, "LISTED ") == ["[]"], output
+    secret = _printed(reports, name, "SECRET ")
+    assert len(secret) == 1 and secret[0] != (folder / "secret.txt").read_text(), output
     assert rows[name]["total"] == "0" and "passed" not in statuses(rows, name)
 
 
@@ -756,6 +773,20 @@ def test_a_blank_notebook_earns_nothing(graded, name):
     _, rows, reports, _, _ = graded
     assert rows[name]["total"] == "0", reports[name]["exercises"]
     assert "passed" not in statuses(rows, name)
+
+
+def test_an_error_in_the_learners_code_gives_the_line_of_their_cell(graded):
+    _, rows, reports, _, _ = graded
+    name = "s3_raises_in_its_checks"
+    exercises = reports[name]["exercises"]
+    assert rows[name]["ch98.add_two status"] == "passed"  # only the raising pieces cost points
+    hidden = exercises["ch98.add_one"]["message"]
+    assert hidden.startswith("a hidden check failed: integer input (your code raised TypeError")
+    assert 'line 3: raise TypeError("only floats, please")' in hidden, hidden
+    public = exercises["ch98.mean_square"]["message"]
+    assert "your code raised TypeError" in public and "keepdims_typo" in public, public
+    assert "line 3: return squares.mean(dim, keepdims_typo=True))" in public, public
+    assert re.search(r"\(cell \d+, line 3: ", public), public
 
 
 def test_wrong_types_are_named_in_the_message(graded):

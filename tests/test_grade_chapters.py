@@ -4,6 +4,8 @@ with the package's own code scores 0 with status `reference`."""
 
 import csv
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,6 +40,30 @@ def _cheat(folder: Path, chapter: int, cell: str, source: str) -> Path:
     nb = nbs.load(ROOT / "course" / CHAPTERS[chapter])
     nb["cells"] = [dict(c, source=source) if c["id"] == cell else c for c in nb["cells"]]
     path = folder / "cheat.ipynb"
+    path.write_text(json.dumps(nb))
+    return path
+
+
+# a first cell that looks for the chapter's check module (its hidden cases and their generators),
+# to replay them: in the sandbox's view it is neither importable nor there to read
+LOOKS_FOR_CHECKS = """import importlib, os, qwen_mini
+
+try:
+    importlib.import_module("qwen_mini.course.checks.{chapter}")
+    print("PROBE imported")
+except ImportError as e:
+    print("PROBE not imported:", type(e).__name__)
+_folder = os.path.join(os.path.dirname(qwen_mini.__file__), "course", "checks")
+print("PROBE listed", sorted(os.listdir(_folder)) if os.path.isdir(_folder) else None)"""
+ISOLATED = os.geteuid() == 0 and sys.platform == "linux"  # the sandbox's view of its own
+
+
+def _looks_for_checks(folder: Path, chapter: int) -> Path:
+    nb = nbs.load(ROOT / "course" / CHAPTERS[chapter])
+    probe = dict(nb["cells"][0], cell_type="code", id="probe", outputs=[], execution_count=None)
+    probe["metadata"], probe["source"] = {}, LOOKS_FOR_CHECKS.format(chapter=f"ch{chapter:02d}")
+    nb["cells"] = [probe, *nb["cells"]]
+    path = folder / "looks.ipynb"
     path.write_text(json.dumps(nb))
     return path
 
@@ -119,7 +145,8 @@ def test_real_chapter_grades(tmp_path, chapter):
     mixed = [_mixed(tmp_path, chapter, stub_cell) for stub_cell, _, _ in STUBS[chapter]]
     cell, cheated, source = CHEATS[chapter]
     cheat = _cheat(tmp_path, chapter, cell, source)
-    files = [ROOT / "solutions" / name, ROOT / "course" / name, *mixed, cheat]
+    looks = _looks_for_checks(tmp_path, chapter)
+    files = [ROOT / "solutions" / name, ROOT / "course" / name, *mixed, cheat, looks]
     rows = _grade(tmp_path, chapter, files)
     stem = Path(name).stem
     solved, learner = rows[f"solutions/{stem}"], rows[f"course/{stem}"]
@@ -137,6 +164,12 @@ def test_real_chapter_grades(tmp_path, chapter):
     # a blank notebook answering an exercise with the package's own code earns nothing
     cheated_row = rows[f"{tmp_path.name}/cheat"]
     assert cheated_row[f"{cheated} status"] == "reference" and float(cheated_row["total"]) == 0
+    # a blank notebook that looks for the checks finds nothing, and earns nothing
+    assert float(rows[f"{tmp_path.name}/looks"]["total"]) == 0
+    if ISOLATED:
+        output = json.loads((tmp_path / "reports" / "looks.json").read_text())["process_output"]
+        probed = [line for line in output.splitlines() if line.startswith("PROBE")]
+        assert probed == ["PROBE not imported: ModuleNotFoundError", "PROBE listed []"], output
 
 
 # chapter 1's model-level checks hand the learner's code their own modules and models (by value)

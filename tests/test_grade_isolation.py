@@ -19,8 +19,11 @@ def test_a_source_checkout_shows_only_its_package(monkeypatch, tmp_path):
     assert str(ROOT / "qwen_mini") in shown
     assert not [p for p in shown if p in (str(ROOT), "/", "/tmp")]
     assert not [p for p in shown if Path(p) in (ROOT / "solutions", ROOT / "tests")]
+    # hidden inside what is shown: the package's check modules, and any extra check folder
     monkeypatch.setenv(PATH_ENV, f"{tmp_path}{os.pathsep}")
-    assert isolation.hidden_paths() == [str(tmp_path.resolve())]
+    checks = str(ROOT / "qwen_mini" / "course" / "checks")
+    assert isolation.hidden_paths() == [checks, str(tmp_path.resolve())]
+    assert not (ROOT / "qwen_mini" / "course" / "fakes").is_relative_to(checks)
 
 
 def test_nested_folders_are_shown_once():
@@ -96,3 +99,15 @@ def test_the_view_shows_a_closed_folder_but_not_its_secrets(tmp_path):
     left = f"/tmp/qwen-mini-isolation-left-{os.getpid()}"
     assert _in_child(look) == "asset [] False True"
     assert not os.path.exists(left)
+
+
+def test_what_a_check_hands_to_the_learners_code_is_never_of_a_check_module():
+    # the sandbox cannot import a check module, so it could not unpickle such an object: the
+    # grader says where its class belongs instead of grading with a broken copy
+    from qwen_mini.course.grading import sandbox
+
+    spy = type("Spy", (), {"__module__": "qwen_mini.course.checks.ch77"})()
+    with pytest.raises(TypeError, match="qwen_mini/course/fakes/"):
+        sandbox.Connection._by_value(None, spy)
+    fake = type("Spy", (), {"__module__": "qwen_mini.course.fakes.ch77"})()
+    assert sandbox.byvalue.by_value(fake)

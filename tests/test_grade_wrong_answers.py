@@ -10,15 +10,15 @@ the k-th wrong answer of every exercise), one grading run per chapter.
 
 The corpus is a list of (exercise id, wrong answer, idea): a wrong answer is either an object (a
 function or class defined at module level of some module, or reachable from one through its
-lists, tuples and dicts: the notebook runs that module's source and takes the object from it) or
-notebook source that defines the exercise's name. `corpus()` reads the chapters' catalogues of
-mistakes, chapter 1's remaining corpus (tests/test_wrong_answers_ch01.py) and EXTRA.
+lists, tuples and dicts, or made by a factory and reached through the catalogue: the notebook
+runs that module's source, as a module of its own, and takes the object from it) or notebook
+source that defines the exercise's name. `corpus()` reads the chapters' catalogues of mistakes
+and EXTRA.
 """
 
 from __future__ import annotations
 
 import csv
-import importlib
 import inspect
 import json
 import re
@@ -142,23 +142,13 @@ EXTRA = [
     ),
 ]
 
-# the corpus modules and the names of their lists: (exercise, wrong answer, idea, ...)
-MODULES = {"test_wrong_answers_ch01": ("CASES", "ch01.")}  # chapter 1's stateful exercises
 CHAPTER_IDS = ["ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06"]
 
 
 def corpus() -> list[tuple[str, object, str]]:
-    """Every chapter's catalogued mistakes (qwen_mini/course/checks/chNN.py), the wrong answers
-    of the exercises still checked by functions, and EXTRA, as (exercise id, wrong answer,
-    idea)."""
-    if str(TESTS) not in sys.path:
-        sys.path.insert(0, str(TESTS))
+    """Every chapter's catalogued mistakes (qwen_mini/course/checks/chNN.py) and EXTRA, as
+    (exercise id, wrong answer, idea)."""
     out = [(m.exercise_id, m.fn, m.idea) for ch in CHAPTER_IDS for m in catalogue(ch)]
-    for name, (listing, prefix) in MODULES.items():
-        module = importlib.import_module(name)
-        for case in getattr(module, listing):
-            exercise = case[0] if case[0].startswith("ch") and "." in case[0] else prefix + case[0]
-            out.append((exercise, case[1], case[2]))
     return out + EXTRA
 
 
@@ -247,6 +237,8 @@ def notebooks(cases, names: dict[str, str]) -> list[tuple[dict, list[tuple[str, 
                 mistakes = get(exercise).mistakes
                 key = next((k for k, m in mistakes.items() if m.fn is wrong), None)
                 if where is None and key is not None:  # made by a factory: through the catalogue
+                    # of the module run in the notebook (the sandbox cannot import the checks)
+                    modules[module.__name__] = inspect.getsource(module)
                     source = (
                         "from qwen_mini.course.checking import get as _get\n"
                         f"{name} = _get({exercise!r}).mistakes[{key!r}].fn"
@@ -272,17 +264,11 @@ def _grade(folder: Path, chapter: int, files: list[Path]) -> dict[str, dict]:
         return {Path(r["notebook"]).stem: r for r in csv.DictReader(f)}
 
 
-# Mistakes the grader fails with the right points but names by the stage that differs, not by
-# the mistake's idea: the grader names a mistake by running the catalogued mistakes itself, and
-# an observation of how code runs (memory, softmax dtype), or a head's tying, is made for the
-# learner's code in the sandbox but not for a mistake run in the grader. Known; to be fixed.
-NAMED_BY_STAGE = {
-    ("ch00.zero_layer_lm", "ZeroUntiedHead"),
-    ("ch00.read_safetensors_header", "header_whole_file"),
-    ("ch00.read_safetensors_header", "source"),
-    ("ch01.attention_weights", "weights_low_precision"),
-    ("ch05.decay_mask", "mask_exp_tril"),
-}
+# Mistakes the grader would fail with the right points but name by the stage that differs, not
+# by the idea: none. (The grader names a mistake by running the catalogued mistakes itself, and
+# makes their observations of how code runs there, with the random stream the learner's code
+# draws from in the sandbox: see checking._result and sandbox.Connection.request.)
+NAMED_BY_STAGE: set[tuple[str, str]] = set()
 
 CORPUS = corpus()
 CHAPTERS = sorted({int(c[0][2:4]) for c in CORPUS})

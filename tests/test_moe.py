@@ -4,6 +4,7 @@ expert layouts, and `load_balancing_loss_func`."""
 
 import pytest
 import torch
+from helpers import randomize
 from transformers import Qwen3_5MoeTextConfig, Qwen3MoeConfig, Qwen3NextConfig
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import (
@@ -33,11 +34,7 @@ def _hf_config(config_cls, E, k, norm=True, **extra):
 
 def _randomize(module: torch.nn.Module, seed: int) -> None:
     """Weights of scale 1/sqrt(fan_in), router logits spread enough that routing is not flat."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            scale = 3.0 if name == "gate.weight" else 1.0
-            p.copy_(torch.randn(p.shape, generator=g) * scale / p.shape[-1] ** 0.5)
+    randomize(module, seed, std=1.0, fan_in=True, scales={"gate.weight": 3.0})
 
 
 def _per_expert_state(hf_block) -> dict[str, torch.Tensor]:

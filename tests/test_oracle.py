@@ -18,7 +18,7 @@ import json
 
 import pytest
 import torch
-from helpers import HF_CLASSES, greedy_reference, write_checkpoint
+from helpers import greedy_reference, loaded_pair, write_checkpoint
 
 import qwen_mini
 import qwen_mini.architectures
@@ -165,10 +165,7 @@ def pair(request, tmp_path_factory):
         index = json.loads((folder / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) > 1
 
-    ours = qwen_mini.load_model(folder, dtype=torch.float32).eval()
-    # the class that wrote it (the Auto class would read a multimodal Qwen3.5 as text-only)
-    ref = HF_CLASSES[model_type][1].from_pretrained(folder, dtype=torch.float32).eval()
-    assert ours.config.tie_word_embeddings == ref.config.tie_word_embeddings == tied
+    ours, ref = loaded_pair(folder, model_type, tied)
     yield ours, ref
     del ours, ref
     gc.collect()

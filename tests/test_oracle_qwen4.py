@@ -29,7 +29,14 @@ import shutil
 
 import pytest
 import torch
-from helpers import HF_CLASSES, greedy_reference, hf_config, tiny_config, write_checkpoint
+from helpers import (
+    HF_CLASSES,
+    greedy_reference,
+    hf_config,
+    loaded_pair,
+    tiny_config,
+    write_checkpoint,
+)
 from huggingface_hub.errors import StrictDataclassClassValidationError
 from safetensors.torch import load_file, save_file
 
@@ -110,9 +117,7 @@ def pair(request, tmp_path_factory):
     if fused:
         fuse_experts(folder)
     assert (folder / "model.safetensors.index.json").exists() == bool(shard)
-    ours = qwen_mini.load_model(folder, dtype=torch.float32).eval()
-    ref = HF_CLASSES[model_type][1].from_pretrained(folder, dtype=torch.float32).eval()
-    assert ours.config.tie_word_embeddings == ref.config.tie_word_embeddings == tied
+    ours, ref = loaded_pair(folder, model_type, tied)
     yield ours, ref
     del ours, ref
     gc.collect()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import hf_config
+from helpers import hf_config, randomize
 from transformers import Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
@@ -30,21 +30,11 @@ def tiny_config(value_heads: int = 4, **overrides) -> Qwen3_5TextConfig:
     return hf_config("qwen3_5_text", linear_num_value_heads=value_heads, **overrides)
 
 
-def randomize(module: torch.nn.Module, seed: int = 0) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if name == "norm.weight":  # gated norm: x_hat * w
-                p.copy_(1 + 0.1 * noise)
-            elif "norm" in name:  # zero-centred: x_hat * (1 + w)
-                p.copy_(0.1 * noise)
-            elif name == "A_log":  # exp(A_log) from 0.01 to 2: weak to strong decays
-                # (up to 16 at initialisation; there transformers' float32 cumulative sums drift
-                # by ~5e-5 over a chunk, see tests/test_deltanet.py, while ours stay at ~1e-6)
-                p.copy_(torch.empty(p.shape).uniform_(0.01, 2, generator=g).log())
-            else:
-                p.copy_(0.2 * noise)
+def randomize_block(module: torch.nn.Module, seed: int = 0) -> None:
+    """helpers.randomize with exp(A_log) from 0.01 to 2: weak to strong decays (up to 16 at
+    initialisation; there transformers' float32 cumulative sums drift by ~5e-5 over a chunk, see
+    tests/test_deltanet.py, while ours stay at ~1e-6)."""
+    randomize(module, seed, a_log=(0.01, 2.0))
 
 
 def ours_config(cfg: Qwen3_5TextConfig) -> Config:
@@ -55,7 +45,7 @@ def ours_config(cfg: Qwen3_5TextConfig) -> Config:
 def deltanet_pair(value_heads: int = 4, seed: int = 0):
     cfg = tiny_config(value_heads)
     ref = hf.Qwen3_5GatedDeltaNet(cfg, 0).eval()
-    randomize(ref, seed)
+    randomize_block(ref, seed)
     ours = GatedDeltaNet(ours_config(cfg), 0).eval()
     ours.load_state_dict(ref.state_dict())  # strict: every checkpoint key has its parameter
     return ours, ref
@@ -179,7 +169,6 @@ def test_deltanet_state_size_is_fixed():
 def test_norms_equal_transformers(dtype):
     x, z = x_input(5).to(dtype), x_input(5, seed=2).to(dtype)
     zero_ref, gated_ref = hf.Qwen3_5RMSNorm(32, eps=1e-6), hf.Qwen3_5RMSNormGated(32, eps=1e-6)
-    randomize(zero_ref), randomize(gated_ref)
     zero_ref.weight.data.copy_(0.1 * torch.randn(32))  # `weight` alone: no "norm" in the name
     gated_ref.weight.data.copy_(1 + 0.1 * torch.randn(32))
     zero, gated = ZeroCentredRMSNorm(32), GatedRMSNorm(32)
@@ -197,7 +186,7 @@ def attention_pair(seed: int = 0):
     cfg = tiny_config()
     cfg._attn_implementation = "eager"
     ref = hf.Qwen3_5Attention(cfg, 3).eval()
-    randomize(ref, seed)
+    randomize_block(ref, seed)
     ours = GatedAttention(ours_config(cfg), 3, ARCHITECTURES["qwen3_5_text"]).eval()
     ours.load_state_dict(ref.state_dict())
     return ours, ref, cfg

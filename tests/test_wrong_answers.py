@@ -12,15 +12,6 @@ from qwen_mini.course import checking
 
 CHAPTERS = ["ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06"]
 EXERCISES = [e for chapter in CHAPTERS for e in checking.exercises(chapter)]
-# chapter 1's stateful exercises, still checked by functions (their corpus: test_wrong_answers_ch01)
-AS_FUNCTIONS = {
-    "ch01.KVCache",
-    "ch01.Attention",
-    "ch01.DecoderLayer",
-    "ch01.model_forward",
-    "ch01.load_weights",
-    "ch01.decode",
-}
 # every catalogued mistake (exercise_id, name, fn, idea, public): data for other tests too
 CATALOGUE = [m for chapter in CHAPTERS for m in checking.catalogue(chapter)]
 
@@ -42,7 +33,7 @@ def test_reference_passes_every_case_and_has_mistakes(exercise):
     result = checking.run_checks(exercise.id, exercise.reference, hidden=True)
     assert result.ok, result.line()
     assert exercise.hidden, f"{exercise.id} has no hidden case"
-    assert bool(exercise.mistakes) is (exercise.id not in AS_FUNCTIONS), exercise.id
+    assert exercise.mistakes, f"{exercise.id} has no catalogued mistake"
 
 
 def test_softmax_in_bfloat16_really_differs():
@@ -107,3 +98,31 @@ def test_nan_answers_never_pass(exercise):
     result = checking.run_checks(exercise.id, _nan_answer(exercise.reference, seen), hidden=True)
     assert seen, f"{exercise.id}: no floating-point answer was replaced"
     assert result.status == "failed", result.line()
+
+
+def test_an_error_in_the_learners_code_gives_the_line_of_their_cell():
+    """Run in IPython as Jupyter runs a notebook: the message names the cell that raised (as
+    IPython's traceback does, `In[2]`), the line and its source."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    try:
+        shell.run_cell("from qwen_mini.course.checking import run_checks\nimport torch", True)
+        defined = shell.run_cell(
+            "def causal_mask(T_q, T_k):\n"
+            "    n = T_k - T_q\n"
+            "    return torch.ones(T_q, T_k).tril(n)[T_q + 2]  # one row too far\n",
+            True,
+        )
+        shell.run_cell('result = run_checks("ch01.causal_mask", causal_mask)', True)
+        message = shell.user_ns["result"].message
+    finally:
+        InteractiveShell.clear_instance()
+    assert "your code raised IndexError" in message, message
+    cell = defined.execution_count
+    assert message.endswith(
+        f"(cell In[{cell}], line 3: return torch.ones(T_q, T_k).tril(n)[T_q + 2] # one row too far)"
+    ), message
+    # the same code outside a cell (a module of the package, a test) names no cell
+    outside = checking.run_checks("ch01.causal_mask", lambda T_q, T_k: [][T_q])
+    assert "your code raised IndexError" in outside.message and "cell" not in outside.message

@@ -36,14 +36,17 @@ has leaked its solution, or its checks cannot fail).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import importlib
 import importlib.util
 import math
 import os
+import re
 import secrets
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,10 +54,22 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import observing
+
 MODES = ("learner", "solutions", "course")
 # Extra folders holding `chNN.py` check modules (course extensions, the test suite's fixtures).
 PATH_ENV = "QWEN_MINI_EXERCISES_PATH"
 CHECKS = "qwen_mini.course.checks"  # the package of the chapters' check modules
+# what checks hand to the learner's code (spies, fake models): importable where the checks are not
+FAKES = "qwen_mini.course.fakes"
+
+
+def from_checks(module: str) -> bool:
+    """Code of a chapter's checks: a check module, a test fixture's, or what checks hand to the
+    learner's code (`FAKES`)."""
+    return isinstance(module, str) and module.startswith(
+        (CHECKS + ".", FAKES + ".", "qwen_mini_extra_exercises.")
+    )
 
 
 class UnknownExercise(KeyError):
@@ -173,7 +188,7 @@ def _docline(fn: Callable) -> str:
 
 def public(exercise_id: str, name: str | None = None):
     """Decorate `def _(obj): ...`: a check the learner runs; it raises AssertionError to fail.
-    For what is not yet a case (a stateful exercise diagnosed stage by stage by hand)."""
+    For a check that is not a case (the chapters write cases; the test fixtures use these)."""
     return _check_function(exercise_id, "public", name)
 
 
@@ -246,10 +261,12 @@ def _inputs(c: Case, seed: int) -> tuple:
     return copy.deepcopy(c.inputs(torch.Generator().manual_seed(seed)))
 
 
-def _result(c: Case, impl, seed: int, changed: list | None = None):
+def _result(c: Case, impl, seed: int, changed: list | None = None, ours: bool = False):
     """`impl` run on a fresh copy of the case's inputs, the global RNG seeded alike for every
-    implementation; the positions of the inputs it changed are added to `changed`."""
-    with torch.random.fork_rng(devices=[]):
+    implementation; the positions of the inputs it changed are added to `changed`. `ours`: the
+    reference or a catalogued mistake, whose runs are observed here (when graded, the learner's
+    code is observed in the sandbox, where it runs)."""
+    with torch.random.fork_rng(devices=[]), observing.here() if ours else contextlib.nullcontext():
         torch.manual_seed(seed)
         arguments = _inputs(c, seed)
         out = c.call(impl, *arguments)
@@ -285,7 +302,7 @@ def _changed_inputs(c: Case, entry: Exercise, got, seed: int, changed: list[int]
     if not changed:
         return
     by_reference: list[int] = []
-    _result(c, entry.reference, seed, by_reference)
+    _result(c, entry.reference, seed, by_reference, ours=True)
     wrong = [i for i in changed if i not in by_reference]
     if wrong:
         i = wrong[0]
@@ -308,7 +325,9 @@ def _run_case(c: Case, obj) -> None:
     got = _result(c, obj, seed, changed)
     _changed_inputs(c, entry, got, seed, changed)
     want = (
-        _result(c, entry.reference, seed) if c.expected is None else c.expected(*_inputs(c, seed))
+        _result(c, entry.reference, seed, ours=True)
+        if c.expected is None
+        else c.expected(*_inputs(c, seed))
     )
     root = entry.id.split(".", 1)[1] if c.call is _plain_call else ""
     try:
@@ -326,7 +345,7 @@ def _matching_mistake(c: Case, entry: Exercise, got, seed: int, changes=None) ->
     for m in entry.mistakes.values():
         by_mistake: list[int] = []
         try:
-            expect_close("", got, _result(c, m.fn, seed, by_mistake), c.atol, c.rtol)
+            expect_close("", got, _result(c, m.fn, seed, by_mistake, True), c.atol, c.rtol)
         except Exception:  # a mistake may crash on inputs it was not written for
             continue
         if changes is None or changes in by_mistake:
@@ -403,9 +422,50 @@ def run_checks(exercise_id: str, obj, hidden: bool = False) -> Result:
         except AssertionError as e:
             return Result(exercise_id, "failed", done, len(checks), f"{name} failed: {e}", kind)
         except Exception as e:  # the learner's code crashed inside the check
-            message = f"{name} failed: your code raised {type(e).__name__}: {e}"
+            where = learner_line(e)
+            at = f" ({where})" if where else ""
+            message = f"{name} failed: your code raised {type(e).__name__}: {e}{at}"
             return Result(exercise_id, "failed", done, len(checks), message, kind, e)
     return Result(exercise_id, "passed", len(checks), len(checks), kind=kind)
+
+
+_GRADER_CELL = re.compile(r"<cell (\d+)")  # the grader's name for a notebook cell's code
+
+
+def _cell_label(filename: str) -> str | None:
+    """ "cell In[5]" for the code of a notebook cell (IPython's name for it, or the grader's
+    "<cell 5>"); None for any other file."""
+    found = _GRADER_CELL.match(filename)
+    if found:
+        return f"cell {found.group(1)}"
+    found = re.match(r"<ipython-input-(\d+)-", filename)
+    if found:
+        return f"cell In[{found.group(1)}]"
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    names = getattr(getattr(shell, "compile", None), "_filename_map", None)
+    if isinstance(names, dict) and filename in names:
+        return f"cell In[{names[filename]}]"
+    return None
+
+
+def learner_line(e: BaseException, lines_of: Callable | None = None) -> str:
+    """Where in the learner's cells `e` was raised: "cell In[5], line 3: y = x @ w" (the
+    deepest frame of a notebook cell in its traceback), or "" when no cell's code is in it.
+    `lines_of(filename)`: a cell's lines, where linecache does not hold them (the sandbox)."""
+    where = getattr(e, "learner_line", None)  # said by the sandbox, where the code ran
+    if isinstance(where, str):
+        return where
+    for frame in reversed(traceback.extract_tb(e.__traceback__)):
+        label = _cell_label(frame.filename)
+        if label is None:
+            continue
+        lines = lines_of(frame.filename) if lines_of else None
+        n = frame.lineno or 0
+        text = lines[n - 1] if lines and 0 < n <= len(lines) else frame.line or ""
+        text = " ".join(text.split())
+        return f"{label}, line {n}" + (f": {text[:160]}" if text else "")
+    return ""
 
 
 def mode() -> str:

@@ -110,6 +110,18 @@ def observe(kind: str):
         yield seen
 
 
+@contextlib.contextmanager
+def here():
+    """Observations made in this process: around the grader's own code (the reference, a
+    catalogued mistake), which runs here even while the learner's runs in the sandbox."""
+    global _sandbox
+    previous, _sandbox = _sandbox, None
+    try:
+        yield
+    finally:
+        _sandbox = previous
+
+
 class _Seen:
     value = None
 

@@ -1,21 +1,25 @@
-"""Checks for chapter 1 (attention: causal mask, MHA -> MQA -> GQA, KV cache, KV bytes).
+"""Checks for chapter 1 (attention: causal mask, MHA -> MQA -> GQA, KV cache, KV bytes, the
+decoder layer, the model's forward pass, loading, decoding).
 
-The pure exercises are lists of cases with a catalogue of typical mistakes whose ideas the messages
-name; the stateful ones (the KV cache, the attention module, the decoder layer, the model's forward,
-the loader, decoding) are check functions that diagnose stage by stage. The expected values come
-from the package reference, from values worked out by hand, and from independent references such
-as `torch.nn.functional.scaled_dot_product_attention`.
+Every exercise is a list of cases with a catalogue of typical mistakes whose ideas the messages
+name. The stateful ones (the KV cache, the attention module, the decoder layer, the model's
+forward, the loader, decoding) are diagnosed stage by stage: a case runs the learner's object
+with spies (qwen_mini/course/fakes/ch01.py) and returns what each stage saw, in order (QK-Norm's
+input, what was cached, o_proj's input, the output...), so the first stage that differs is the
+one reported, and a catalogued mistake that sees the same names its idea. The expected values
+come from the package reference, from values worked out by hand, and from independent references
+such as `torch.nn.functional.scaled_dot_product_attention`.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from qwen_mini import attention as ref
 from qwen_mini import decoder as dec
@@ -26,14 +30,12 @@ from qwen_mini.course.checking import (
     between,
     case,
     expect_close,
-    expect_equal,
-    hidden,
     mistake,
-    public,
     randn,
     register,
     seeded,
 )
+from qwen_mini.course.fakes.ch01 import Recorder, SpyCache, Watched
 from qwen_mini.course.lab import ch01 as lab
 from qwen_mini.course.observing import observe
 from qwen_mini.model import CausalLM
@@ -472,22 +474,22 @@ def repeat_tiled(k, n_rep):
 
 # --- KVCache ------------------------------------------------------------------------------------
 
+CACHE = "ch01.KVCache"
+
 
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-@public("ch01.KVCache")
-def _(KVCache):
-    """length, views, growth by doubling"""
+def _kv(T, seed, heads=2, dim=4):
+    return randn(1, heads, T, dim, seed=seed), randn(1, heads, T, dim, seed=seed + 1000)
+
+
+def _cache_growth(KVCache):
+    """One pass of 3 tokens, then 200 one-token steps: what update and the storage did."""
     cache = KVCache(1, 2, 4, dtype=torch.float32)
-    k1, v1 = _kv(3, 70)
-    k, _ = cache.update(k1, v1)
-    if cache.length != 0:
-        raise AssertionError(
-            f"update must not advance length (it is {cache.length} after update): the model "
-            "calls commit() once every layer has run, so a failed pass changes nothing"
-        )
+    cache.update(*_kv(3, 70))
+    length = cache.length
     cache.commit(3)
     moves, copies = 0, 0
     last = _storage(cache.k)
@@ -498,76 +500,129 @@ def _(KVCache):
             copies += 1
         if _storage(cache.k) != last:
             moves, last = moves + 1, _storage(cache.k)
-    if copies:
-        raise AssertionError(
-            f"update returned copies in {copies} of 200 steps: return slices of the storage "
-            "(self.k[:, :, :end]), which cost nothing, not new tensors"
-        )
-    if moves > 8:
-        raise AssertionError(
-            f"the storage was reallocated {moves} times in 200 one-token steps: appending with "
-            "torch.cat (or growing by the tokens needed) copies the whole cache every step; "
-            "write into free slots and grow by doubling (_grow) when they run out"
-        )
+    return {
+        "length after update, before the model commits the pass": length,
+        "steps of 200 in which update returned copies of the storage": copies,
+        "at most 8 reallocations of the storage in 200 one-token steps": moves <= 8,
+    }
 
 
-def _kv(T, seed, heads=2, dim=4):
-    return randn(1, heads, T, dim, seed=seed), randn(1, heads, T, dim, seed=seed + 1000)
-
-
-@public("ch01.KVCache")
-def _(KVCache):
+def _two_updates(KVCache):
     cache = KVCache(1, 2, 4, dtype=torch.float32)
-    k1, v1 = _kv(3, 1)
-    k, v = cache.update(k1, v1)
-    expect_close("first update returns the new keys", k, k1, atol=0, rtol=0)
-    expect_close("first update returns the new values", v, v1, atol=0, rtol=0)
-    expect_equal("length after update, before the model commits the pass", cache.length, 0)
+    first = cache.update(*_kv(3, 1))
+    length = cache.length
     cache.commit(3)  # the model commits the pass once every layer has run
-    k2, v2 = _kv(2, 3)
-    k, v = cache.update(k2, v2)
-    expect_close(
-        "second update: cached keys then new ones", k, torch.cat([k1, k2], 2), atol=0, rtol=0
-    )
-    expect_close(
-        "second update: cached values then new ones", v, torch.cat([v1, v2], 2), atol=0, rtol=0
-    )
+    second = cache.update(*_kv(2, 3))
+    return {
+        "first update returns the new (keys, values)": first,
+        "length after update, before the model commits the pass": length,
+        "second update returns (keys, values): the cached ones, then the new": second,
+    }
 
 
-@public("ch01.KVCache")
-def _(KVCache):
+def _many_steps(KVCache):
     cache = KVCache(1, 2, 4, dtype=torch.float32)
-    ks, vs = [], []
     for step in range(150):  # past any initial capacity, several times
-        k1, v1 = _kv(1, 100 + step)
-        ks.append(k1)
-        vs.append(v1)
-        k, v = cache.update(k1, v1)
+        k, v = cache.update(*_kv(1, 100 + step))
         cache.commit(1)
-    expect_equal("keys after 150 one-token steps: shape", tuple(k.shape), (1, 2, 150, 4))
-    expect_close("keys after 150 one-token steps", k, torch.cat(ks, 2), atol=0, rtol=0)
-    expect_close("values after 150 one-token steps", v, torch.cat(vs, 2), atol=0, rtol=0)
-    expect_equal(
-        "nbytes() after 150 tokens (2 * 2 heads * 150 * 4 * 4 bytes)",
-        cache.nbytes(),
-        2 * 2 * 150 * 4 * 4,
-    )
+    return {
+        "keys after 150 one-token steps": k,
+        "values after 150 one-token steps": v,
+        "nbytes() after 150 tokens (2 * 2 heads * 150 * 4 * 4 bytes)": cache.nbytes(),
+    }
 
 
-@hidden("ch01.KVCache")
-def _(KVCache):
-    # a forward pass that fails after this layer wrote must not corrupt the cache: the length
-    # did not advance, so the retry writes the same slots again
+def _retry(KVCache):
+    """A pass that fails after this layer wrote must not corrupt the cache: the length did not
+    advance, so the retry writes the same slots again."""
     cache = KVCache(1, 2, 4, dtype=torch.float32)
-    k1, v1 = _kv(20, 5)
-    cache.update(k1, v1)
+    cache.update(*_kv(20, 5))
     cache.commit(20)
     cache.update(*_kv(3, 6))  # the failed attempt: written, never committed
     cache.discard()
-    k2, v2 = _kv(3, 7)
-    k, v = cache.update(k2, v2)
-    expect_close("retry after a failed pass: keys", k, torch.cat([k1, k2], 2), atol=0, rtol=0)
-    expect_close("retry after a failed pass: values", v, torch.cat([v1, v2], 2), atol=0, rtol=0)
+    k, v = cache.update(*_kv(3, 7))
+    return {"retry after a failed pass: keys": k, "retry after a failed pass: values": v}
+
+
+case(CACHE, "length, views, growth by doubling", lambda g: (), _cache_growth)
+case(CACHE, "two updates with a commit between", lambda g: (), _two_updates)
+case(CACHE, "150 one-token steps", lambda g: (), _many_steps)
+case(CACHE, "a retry after a failed pass", lambda g: (), _retry, hidden=True)
+
+LENGTH_IDEA = (
+    "update must not advance length: the model calls commit() once every layer has run, so a "
+    "failed pass changes nothing"
+)
+REALLOCATED = (
+    "the storage was reallocated at almost every step: appending with torch.cat (or growing by "
+    "the tokens needed) copies the whole cache every step; write into free slots and grow by "
+    "doubling (_grow) when they run out"
+)
+
+
+@mistake(
+    CACHE,
+    "retry after a failed pass: write at `length` (what was committed), not after what was last "
+    "written, so a pass that failed leaves nothing behind",
+    public=False,
+)
+class CacheCountsWrites(ref.KVCache):
+    """Keeps its own end-of-data counter: a failed pass shifts every later token."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.end = 0
+
+    def update(self, k, v):
+        start, end = self.end, self.end + k.shape[2]
+        if end > self.k.shape[2]:
+            self.k, self.v = self._grow(self.k, end), self._grow(self.v, end)
+        self.k[:, :, start:end], self.v[:, :, start:end] = k, v
+        self.end = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def _grow(self, buf, needed):
+        new = buf.new_empty(buf.shape[:2] + (max(needed, 2 * buf.shape[2], 16),) + buf.shape[3:])
+        new[:, :, : self.end] = buf[:, :, : self.end]
+        return new
+
+
+@mistake(CACHE, LENGTH_IDEA)
+class CacheAdvancesLength(ref.KVCache):
+    def update(self, k, v):
+        out = super().update(k, v)
+        self.length += k.shape[2]
+        return out
+
+    def commit(self, n_tokens):
+        pass
+
+
+@mistake(CACHE, REALLOCATED)
+class CacheConcatenates(ref.KVCache):
+    def update(self, k, v):
+        self.k = torch.cat([self.k[:, :, : self.length], k], 2)
+        self.v = torch.cat([self.v[:, :, : self.length], v], 2)
+        return self.k, self.v
+
+
+@mistake(
+    CACHE,
+    "update returned copies: return slices of the storage (self.k[:, :, :end]), which cost "
+    "nothing, not new tensors",
+)
+class CacheReturnsCopies(ref.KVCache):
+    def update(self, k, v):
+        k_all, v_all = super().update(k, v)
+        return k_all.clone(), v_all.clone()
+
+
+@mistake(CACHE, REALLOCATED)
+class CacheGrowsByWhatIsNeeded(ref.KVCache):
+    def _grow(self, buf, needed):
+        new = buf.new_empty(buf.shape[:2] + (needed,) + buf.shape[3:])
+        new[:, :, : self.length] = buf[:, :, : self.length]
+        return new
 
 
 # --- Attention ----------------------------------------------------------------------------------
@@ -609,18 +664,6 @@ def _rope(cfg, start, T):
     return rope_cos_sin(torch.arange(start, start + T), cfg.head_dim, cfg.rope_theta)
 
 
-class _SpyCache(ref.KVCache):
-    """The package's cache, recording what each update stores."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.stored = []
-
-    def update(self, k, v):
-        self.stored.append((k.detach().clone(), v.detach().clone()))
-        return super().update(k, v)
-
-
 def _inputs_of(module, where: list):
     def hook(mod, args):
         where.append(args[0].detach().clone())
@@ -628,199 +671,140 @@ def _inputs_of(module, where: list):
     return module.register_forward_pre_hook(hook)
 
 
-def _attention_stages(Attention, cfg, seed, B=1, cached=0, T=4):
-    """Run the learner's layer (after `cached` tokens in a cache, or with no cache) and say
-    which stage first differs: QK-Norm, its order with RoPE, the cache, the grouping of KV heads,
-    the mask, the output."""
+def _attention_run(Attention, cfg, seed, B=1, cached=0, T=4):
+    """The learner's layer run (after `cached` tokens in a cache, or with no cache), and what
+    each stage saw: QK-Norm's input (per head, before RoPE), what it cached (the KV heads after
+    RoPE, before repeat_kv), o_proj's input (the merged heads), the output."""
     mine, reference = _pair(Attention, cfg, seed)
-    H, H_kv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    H_kv, D = cfg.num_key_value_heads, cfg.head_dim
     x = randn(B, cached + T, cfg.hidden_size, seed=seed + 1)
     cache = None
     with torch.no_grad():
         if cached:
-            cache = _SpyCache(B, H_kv, D, dtype=torch.float32)
+            cache = SpyCache(B, H_kv, D, dtype=torch.float32)
             reference(x[:, :cached], *_rope(cfg, 0, cached), cache)
             cache.commit(cached)
             cache.stored.clear()
-        xn = x[:, cached:]
-        cos, sin = _rope(cfg, cached, T)
-        q = ref.split_heads(reference.q_proj(xn), H)  # [B, H, T, D]
-        k = ref.split_heads(reference.k_proj(xn), H_kv)
-        v = ref.split_heads(reference.v_proj(xn), H_kv)
-        if _row(cfg).qk_norm:
-            qn, kn = reference.q_norm(q), reference.k_norm(k)
-        else:
-            qn, kn = q, k
-        qr, kr = apply_rope(qn, cos, sin), apply_rope(kn, cos, sin)
-        k_all, v_all = kr, v
-        if cached:
-            k_all = torch.cat([cache.k[:, :, :cached], kr], 2)
-            v_all = torch.cat([cache.v[:, :, :cached], v], 2)
-
         seen_q, seen_o = [], []
         hooks = [_inputs_of(mine.o_proj, seen_o)]
         if _row(cfg).qk_norm and getattr(mine, "q_norm", None) is not None:
             hooks.append(_inputs_of(mine.q_norm, seen_q))
-        crash = None
+        crash, got = None, None
         try:
-            got = mine(xn, cos, sin, cache)
+            got = mine(x[:, cached:], *_rope(cfg, cached, T), cache)
         except NotImplementedError:
             raise
-        except Exception as e:  # diagnose from what the stages recorded, then report the crash
-            crash = e
+        except Exception as e:  # the stages it got through may say why (a cache of 2 heads
+            crash = e  # handed 4 cannot store them)
         finally:
             for h in hooks:
                 h.remove()
-
-        if _row(cfg).qk_norm:
-            if not seen_q and crash is not None:
-                raise crash
-            if not seen_q:
-                raise AssertionError("QK-Norm skipped: normalise each query head with self.q_norm")
-            s = seen_q[0]
-            if tuple(s.shape) == (B, T, H, D):  # normalised before the transpose: as transformers
-                s = s.transpose(1, 2)
-            if tuple(s.shape) != tuple(q.shape):
-                raise AssertionError(
-                    f"QK-Norm is per head: q_norm takes the split heads {list(q.shape)} (RMSNorm "
-                    f"over each head's head_dim), got {list(s.shape)}"
-                )
-            if _close(s, apply_rope(q, cos, sin)):
-                raise AssertionError(
-                    "order of QK-Norm and RoPE: normalise first, then rotate (transformers: "
-                    "self.q_norm(self.q_proj(x)...) and only then apply_rotary_pos_emb)"
-                )
-            if not _close(s, q):
-                raise AssertionError("projections: q_norm's input differs from split q_proj(x)")
-        if cached:
-            if not cache.stored and crash is not None:
-                raise crash
-            if not cache.stored:
-                raise AssertionError(
-                    "with a cache, store the new keys and values: k, v = cache.update(k, v)"
-                )
-            sk, sv = cache.stored[0]
-            if sk.shape[1] != H_kv:
-                raise AssertionError(
-                    f"the cache stores the {H_kv} KV heads before repeat_kv, got {sk.shape[1]} "
-                    "heads: repeated heads cost n_rep times the memory and hold nothing new"
-                )
-            if _close(sk, kn) and not _close(sk, kr):
-                raise AssertionError(
-                    "keys are cached after RoPE (a token's rotation never changes), yours before"
-                )
-            if _row(cfg).qk_norm and _close(sk, apply_rope(k, cos, sin)):
-                raise AssertionError("the cached keys skipped QK-Norm (self.k_norm)")
-            expect_close("keys given to cache.update", sk, kr, atol=1e-5, rtol=1e-4)
-            expect_close("values given to cache.update", sv, v, atol=1e-5, rtol=1e-4)
-        if crash is not None:
-            raise crash
-        if not seen_o:
-            raise AssertionError("o_proj was not applied to the merged heads")
-        n_rep, t_total = H // H_kv, k_all.shape[2]
-
-        def attend(kk, vv, **mask):
-            return ref.merge_heads(F.scaled_dot_product_attention(qr, kk, vv, **mask))
-
-        inter = (ref.repeat_kv(k_all, n_rep), ref.repeat_kv(v_all, n_rep))
-        tiled = (k_all.repeat(1, n_rep, 1, 1), v_all.repeat(1, n_rep, 1, 1))
-        right = {"attn_mask": ref.causal_mask(T, t_total)}
-        o = seen_o[0]
-        if not _close(o, attend(*inter, **right)):
-            if n_rep > 1 and _close(o, attend(*tiled, **right)):
-                raise AssertionError(
-                    "grouping of KV heads: tiled (0, 1, 0, 1, ...); query head h reads KV head "
-                    "h // n_rep (neighbours share), as repeat_kv does"
-                )
-            if T > 1 and _close(o, attend(*inter)):
-                raise AssertionError("mask: no causal mask, so tokens see the future")
-            if cached and T > 1 and _close(o, attend(*inter, is_causal=True)):
-                raise AssertionError(
-                    "mask: is_causal=True is the top-left triangle; queries after a cache need "
-                    "the offset mask causal_mask(T, T_total)"
-                )
-            raise AssertionError(
-                "the attention output (o_proj's input) differs from the reference; the "
-                "projections, QK-Norm and cache agree, so look at RoPE, repeat_kv or the merge"
-            )
-        expected = reference.o_proj(attend(*inter, **right))
-        expect_close("output of the layer (o_proj of the heads)", got, expected, 1e-5, 1e-4)
-
-
-@public("ch01.Attention")
-def _(Attention):
-    """stages, no cache"""
-    _attention_stages(Attention, _tiny_cfg(qwen3=True), 130, B=2, cached=0, T=5)
-
-
-@public("ch01.Attention")
-def _(Attention):
-    """stages, 3 new tokens after 4 cached"""
-    _attention_stages(Attention, _tiny_cfg(qwen3=True), 131, B=1, cached=4, T=3)
-
-
-@hidden("ch01.Attention")
-def _(Attention):
-    cfg = _tiny_cfg(qwen3=True, n_heads=6, n_kv=3, head_dim=4)
-    _attention_stages(Attention, cfg, 132, B=2, cached=5, T=2)
-    _attention_stages(Attention, cfg, 133, B=1, cached=3, T=1)
-    _attention_stages(Attention, _tiny_cfg(qwen3=False, n_heads=4, n_kv=1), 134, 1, 2, 4)
-
-
-@public("ch01.Attention")
-def _(Attention):
-    cfg = _tiny_cfg(qwen3=True)  # QK-Norm, 4 query heads sharing 2 KV heads, head_dim 8 != 16/4
-    mine, reference = _pair(Attention, cfg, 22)
-    x = randn(2, 5, 16, seed=23)
-    cos, sin = _rope(cfg, 0, 5)
-    with torch.no_grad():
-        got = mine(x, cos, sin)
-        expect_equal("output shape", tuple(got.shape), (2, 5, 16))
-        expect_close(
-            "Qwen3-style layer (QK-Norm, GQA), no cache",
-            got,
-            reference(x, cos, sin),
-            atol=1e-5,
-            rtol=1e-4,
+    stages = {}
+    if _row(cfg).qk_norm:
+        stages["QK-Norm applied to the query heads (self.q_norm)"] = bool(seen_q)
+        q = seen_q[0] if seen_q else None
+        if q is not None and tuple(q.shape) == (B, T, cfg.num_attention_heads, D):
+            q = q.transpose(1, 2)  # normalised before the transpose, as transformers does
+        stages["q_norm's input: the split query heads [B, H, T, head_dim], before RoPE"] = q
+    if cached:
+        stored = cache.stored[0] if cache.stored else None
+        stages["cache.update called with the new keys and values"] = stored is not None
+        stages["keys given to cache.update: the KV heads after QK-Norm and RoPE"] = (
+            stored[0] if stored else None
         )
+        stages["values given to cache.update: the KV heads"] = stored[1] if stored else None
+    stages["o_proj applied to the merged heads"] = bool(seen_o)
+    stages["o_proj's input: the attention output, heads merged"] = seen_o[0] if seen_o else None
+    stages["output of the layer (o_proj of the heads)"] = got
+    if crash is not None:
+        _stages_or_crash(
+            stages, crash, lambda: _attention_run(ref.Attention, cfg, seed, B, cached, T)
+        )
+    return stages
 
 
-@public("ch01.Attention")
-def _(Attention):
-    cfg = _tiny_cfg(qwen3=True)
+def _stages_or_crash(stages: dict, crash: Exception, reference_stages) -> None:
+    """After the learner's code raised: return (to report) when a stage it got through already
+    differs from the reference's, which names the mistake; else raise what it raised."""
+    want = reference_stages()
+    for key, value in stages.items():
+        if value is not None and key in want:
+            try:
+                expect_close(key, value, want[key], atol=1e-5, rtol=1e-4)
+            except AssertionError:
+                return
+    raise crash
+
+
+def _attention_case(name, cfg, seed, B, cached, T, hidden=False):
+    def call(Attention):
+        return _attention_run(Attention, cfg, seed, B, cached, T)
+
+    case(ATTN, name, lambda g: (), call, atol=1e-5, rtol=1e-4, hidden=hidden)
+
+
+ATTN = "ch01.Attention"
+QWEN3, QWEN2 = _tiny_cfg(qwen3=True), _tiny_cfg(qwen3=False, n_heads=6, n_kv=2, head_dim=4)
+_attention_case("stages, no cache (QK-Norm, 4 query heads on 2 KV heads)", QWEN3, 130, 2, 0, 5)
+_attention_case("stages, 3 new tokens after 4 cached", QWEN3, 131, 1, 4, 3)
+_attention_case("Qwen2 style (QKV bias, no QK-Norm), 6 heads on 2", QWEN2, 26, 2, 0, 4)
+_attention_case(
+    "6 heads on 3, 2 tokens after 5 cached",
+    _tiny_cfg(qwen3=True, n_heads=6, n_kv=3, head_dim=4),
+    132,
+    2,
+    5,
+    2,
+    hidden=True,
+)
+_attention_case(
+    "one token after 3 cached",
+    _tiny_cfg(qwen3=True, n_heads=6, n_kv=3, head_dim=4),
+    133,
+    1,
+    3,
+    1,
+    hidden=True,
+)
+_attention_case(
+    "MQA without QK-Norm, 4 tokens after 2 cached",
+    _tiny_cfg(qwen3=False, n_heads=4, n_kv=1),
+    134,
+    1,
+    2,
+    4,
+    hidden=True,
+)
+
+
+def _continued(Attention):
+    cfg = QWEN3
     mine, reference = _pair(Attention, cfg, 24)
     x = randn(1, 7, 16, seed=25)
     with torch.no_grad():
-        full = reference(x, *_rope(cfg, 0, 7))
         cache = ref.KVCache(1, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.float32)
         outs = []
         for start, end in [(0, 4), (4, 6), (6, 7)]:  # prompt, two tokens, one token
             outs.append(mine(x[:, start:end], *_rope(cfg, start, end - start), cache))
             cache.commit(end - start)
-        expect_close(
-            "prompt + cached continuation == one full pass",
-            torch.cat(outs, 1),
-            full,
-            atol=1e-5,
-            rtol=1e-4,
-        )
+    return torch.cat(outs, 1)
 
 
-@hidden("ch01.Attention")
-def _(Attention):
-    cfg = _tiny_cfg(qwen3=False, n_heads=6, n_kv=2, head_dim=4)  # Qwen2 style: bias, no norm
-    mine, reference = _pair(Attention, cfg, 26)
-    x = randn(2, 4, 16, seed=27)
-    with torch.no_grad():
-        expect_close(
-            "Qwen2-style layer (QKV bias)",
-            mine(x, *_rope(cfg, 0, 4)),
-            reference(x, *_rope(cfg, 0, 4)),
-            atol=1e-5,
-            rtol=1e-4,
-        )
-    # independent of the package: torch's grouped attention on the same projections
-    cfg = _tiny_cfg(qwen3=False, n_heads=4, n_kv=1, head_dim=8)  # MQA
+case(
+    ATTN,
+    "prompt + cached continuation == one full pass",
+    lambda g: (),
+    _continued,
+    lambda: _continued(ref.Attention),
+    atol=1e-5,
+    rtol=1e-4,
+)
+
+
+def _mqa_by_torch(Attention):
+    """The layer's output, and torch's grouped attention on its own projections (independent
+    of the package)."""
+    cfg = _tiny_cfg(qwen3=False, n_heads=4, n_kv=1, head_dim=8)
     mine, _ = _pair(Attention, cfg, 28)
     x = randn(1, 6, 16, seed=29)
     cos, sin = _rope(cfg, 0, 6)
@@ -830,14 +814,83 @@ def _(Attention):
         v = mine.v_proj(x).view(1, 6, 1, 8).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        expected = mine.o_proj(out.transpose(1, 2).reshape(1, 6, 32))
-        expect_close(
-            "MQA layer vs F.scaled_dot_product_attention(enable_gqa=True)",
-            mine(x, cos, sin),
-            expected,
-            atol=1e-5,
-            rtol=1e-4,
-        )
+        return mine(x, cos, sin), mine.o_proj(out.transpose(1, 2).reshape(1, 6, 32))
+
+
+case(
+    ATTN,
+    "MQA layer vs F.scaled_dot_product_attention(enable_gqa=True)",
+    lambda g: (),
+    lambda Attention: _mqa_by_torch(Attention)[0],
+    lambda: _mqa_by_torch(ref.Attention)[1],
+    atol=1e-5,
+    rtol=1e-4,
+    hidden=True,
+)
+
+
+def attention_variant(**wrong):
+    """The reference layer with one stage done wrong (what the catalogue below names)."""
+
+    class Wrong(ref.Attention):
+        def forward(self, x, cos, sin, cache=None):
+            q = ref.split_heads(self.q_proj(x), self.n_heads)
+            k = ref.split_heads(self.k_proj(x), self.n_kv_heads)
+            v = ref.split_heads(self.v_proj(x), self.n_kv_heads)
+            n_rep, T = self.n_heads // self.n_kv_heads, x.shape[1]
+            if wrong.get("norm_after_rope"):
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if self.q_norm is not None and not wrong.get("skip_norm"):
+                q, k = self.q_norm(q), self.k_norm(k)
+            if not wrong.get("norm_after_rope"):
+                if wrong.get("cache_before_rope") and cache is not None:
+                    k, v = cache.update(k, v)
+                    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                    cache = None
+                else:
+                    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if wrong.get("cache_after_repeat") and cache is not None:
+                k, v = ref.repeat_kv(k, n_rep), ref.repeat_kv(v, n_rep)
+                k, v = cache.update(k, v)
+                n_rep = 1
+            elif cache is not None and not wrong.get("ignore_cache"):
+                k, v = cache.update(k, v)
+            t_total = k.shape[2]
+            if wrong.get("tile"):
+                k, v = k.repeat(1, n_rep, 1, 1), v.repeat(1, n_rep, 1, 1)
+            else:
+                k, v = ref.repeat_kv(k, n_rep), ref.repeat_kv(v, n_rep)
+            mask, causal = ref.causal_mask(T, t_total), False
+            if wrong.get("top_left"):
+                mask, causal = None, T > 1
+            if wrong.get("no_mask"):
+                mask = None
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+            out = ref.merge_heads(out)
+            return out[..., : x.shape[-1]] if wrong.get("no_o_proj") else self.o_proj(out)
+
+    return Wrong
+
+
+for _wrong, _idea in {
+    "norm_after_rope": "order of QK-Norm and RoPE: normalise first, then rotate (transformers: "
+    "self.q_norm(self.q_proj(x)...) and only then apply_rotary_pos_emb)",
+    "skip_norm": "QK-Norm skipped: normalise each query and key head with self.q_norm and "
+    "self.k_norm",
+    "tile": "grouping of KV heads: tiled (0, 1, 0, 1, ...); query head h reads KV head "
+    "h // n_rep (neighbours share), as repeat_kv does",
+    "top_left": "mask: is_causal=True is the top-left triangle; queries after a cache need the "
+    "offset mask causal_mask(T, T_total)",
+    "no_mask": "mask: no causal mask, so tokens see the future",
+    "cache_after_repeat": "the cache stores the KV heads before repeat_kv: repeated heads cost "
+    "n_rep times the memory and hold nothing new",
+    "cache_before_rope": "keys are cached after RoPE (a token's rotation never changes), yours "
+    "before",
+    "ignore_cache": "with a cache, store the new keys and values and attend over all of them: "
+    "k, v = cache.update(k, v)",
+    "no_o_proj": "o_proj was not applied to the merged heads",
+}.items():
+    mistake(ATTN, _idea, name=f"attention_{_wrong}")(attention_variant(**{_wrong: True}))
 
 
 # --- kv_bytes_per_token -------------------------------------------------------------------------
@@ -1024,22 +1077,7 @@ register(
     title="Generation loop with the KV cache: prefill once, then one token at a time",
 )
 
-
-class _Recorder(nn.Module):
-    """A stand-in block: `proj(x)` (a Linear), recording what it was called with."""
-
-    def __init__(self, dim: int, seed: int, mixer: bool):
-        super().__init__()
-        self.proj = nn.Linear(dim, dim, bias=False)
-        with torch.no_grad():
-            self.proj.weight.copy_(torch.randn(dim, dim, generator=seeded(seed)) * 0.5)
-        self.mixer, self.calls = mixer, []
-
-    def forward(self, x, *args, **kwargs):
-        names = ("cos", "sin", "cache")[len(args) :]  # keywords, in the protocol's order
-        args = args + tuple(kwargs[n] for n in names if n in kwargs)
-        self.calls.append((x.detach().clone(), args))
-        return self.proj(x)
+LAYER = "ch01.DecoderLayer"
 
 
 def _norm(dim: int, seed: int) -> RMSNorm:
@@ -1051,110 +1089,126 @@ def _norm(dim: int, seed: int) -> RMSNorm:
 
 def _layer_parts(dim, seed):
     return (
-        _Recorder(dim, seed, True),
-        _Recorder(dim, seed + 1, False),
+        Recorder(dim, seed, True),
+        Recorder(dim, seed + 1, False),
         _norm(dim, seed + 2),
         _norm(dim, seed + 3),
     )
 
 
-def _close(a, b) -> bool:
-    return a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+def _layer_names(DecoderLayer):
+    out = {}
+    for name in ("self_attn", "linear_attn"):
+        mixer, mlp, n1, n2 = _layer_parts(8, 40)
+        layer = DecoderLayer(name, mixer, mlp, n1, n2)
+        out[f"parameter names with mixer_name={name!r} (the checkpoint's names)"] = sorted(
+            layer.state_dict()
+        )
+        out[f"layer.mixer and layer.{name} are the mixer given"] = (
+            layer.mixer is mixer and getattr(layer, name, None) is mixer
+        )
+        out["input_layernorm, post_attention_layernorm: the norms given, in that order"] = (
+            layer.input_layernorm is n1 and layer.post_attention_layernorm is n2
+        )
+    return out
 
 
-def _check_layer(DecoderLayer, mixer_name, B, T, dim, seed):
+def _layer_run(DecoderLayer, mixer_name, B, T, dim, seed):
+    """What the mixer and the mlp (recorders) were given, and the layer's output."""
     mixer, mlp, n1, n2 = _layer_parts(dim, seed)
     layer = DecoderLayer(mixer_name, mixer, mlp, n1, n2)
     x = randn(B, T, dim, seed=seed + 4)
     cos, sin, cache = randn(T, 4, seed=seed + 5), randn(T, 4, seed=seed + 6), object()
     with torch.no_grad():
         out = layer(x, cos, sin, cache)
-        if len(mixer.calls) != 1:
-            raise AssertionError(f"the mixer ({mixer_name}) ran {len(mixer.calls)} times, not once")
-        seen, args = mixer.calls[0]
-        if not _close(seen, n1(x)):
-            if _close(seen, x):
-                raise AssertionError(
-                    "pre-norm: the mixer reads input_layernorm(x), the normalised stream; "
-                    "you gave it x itself"
-                )
-            if _close(seen, n2(x)):
-                raise AssertionError(
-                    "the mixer reads input_layernorm(x); you normalised with "
-                    "post_attention_layernorm (that one is for the mlp)"
-                )
-            raise AssertionError("the mixer's input differs from input_layernorm(x)")
-        if len(args) < 3 or args[0] is not cos or args[1] is not sin or args[2] is not cache:
-            raise AssertionError(
-                "the mixer must get cos, sin and this layer's cache: mixer(norm(x), cos, sin, "
-                "cache) — without its cache it cannot see the earlier tokens"
-            )
-        h = x + mixer.proj(n1(x))  # the stream after the first residual branch
-        if len(mlp.calls) != 1:
-            raise AssertionError(f"the mlp ran {len(mlp.calls)} times, not once")
-        seen = mlp.calls[0][0]
-        if not _close(seen, n2(h)):
-            if _close(seen, n2(x)):
-                raise AssertionError(
-                    "the mlp must read the stream after the mixer's residual addition, "
-                    "post_attention_layernorm(x + mixer(...)); yours reads the layer's input "
-                    "(a parallel block, not Qwen's)"
-                )
-            if _close(seen, h):
-                raise AssertionError("pre-norm: the mlp reads post_attention_layernorm(h), not h")
-            if _close(seen, n1(h)):
-                raise AssertionError(
-                    "the mlp reads post_attention_layernorm(h); you used input_layernorm"
-                )
-            if _close(seen, n2(mixer.proj(n1(x)))):
-                raise AssertionError(
-                    "first residual missing: the stream after the mixer is x + mixer(...), "
-                    "not mixer(...) alone"
-                )
-            raise AssertionError("the mlp's input differs from post_attention_layernorm(x + mixer)")
-        expected = h + mlp.proj(n2(h))
-        if not _close(out, expected):
-            if _close(out, mlp.proj(n2(h))):
-                raise AssertionError("second residual missing: return h + mlp(norm(h))")
-            if _close(out, n2(expected)) or _close(out, n1(expected)):
-                raise AssertionError(
-                    "post-norm: the stream itself is never normalised in a pre-norm layer; "
-                    "only each branch's input is"
-                )
-        expect_close("decoder layer output", out, expected, atol=1e-5, rtol=1e-4)
+    args = mixer.calls[0][1] if len(mixer.calls) == 1 else ()
+    return {
+        f"times the mixer ({mixer_name}) ran": len(mixer.calls),
+        "the mixer's input: input_layernorm(x)": mixer.calls[0][0] if mixer.calls else None,
+        "the mixer got cos, sin and this layer's cache": len(args) >= 3
+        and args[0] is cos
+        and args[1] is sin
+        and args[2] is cache,
+        "times the mlp ran": len(mlp.calls),
+        "the mlp's input: post_attention_layernorm(h), h = x + mixer(input_layernorm(x))": (
+            mlp.calls[0][0] if mlp.calls else None
+        ),
+        "the layer's output: h + mlp(post_attention_layernorm(h))": out,
+    }
 
 
-@public("ch01.DecoderLayer")
-def _(DecoderLayer):
-    for name in ("self_attn", "linear_attn"):
-        mixer, mlp, n1, n2 = _layer_parts(8, 40)
-        layer = DecoderLayer(name, mixer, mlp, n1, n2)
-        expect_equal(
-            f"parameter names with mixer_name={name!r} (the checkpoint's names)",
-            sorted(layer.state_dict()),
-            sorted(
-                [f"{name}.proj.weight", "mlp.proj.weight"]
-                + ["input_layernorm.weight", "post_attention_layernorm.weight"]
-            ),
-        )
-        if layer.mixer is not mixer or getattr(layer, name, None) is not mixer:
-            raise AssertionError(f"layer.{name} must be the mixer it was given")
-        if layer.input_layernorm is not n1 or layer.post_attention_layernorm is not n2:
-            raise AssertionError(
-                "input_layernorm and post_attention_layernorm must be the norms given, in that "
-                "order (the first normalises the mixer's input, the second the mlp's)"
-            )
+def _layer_case(name, mixer_name, B, T, dim, seed, hidden=False):
+    def call(DecoderLayer):
+        return _layer_run(DecoderLayer, mixer_name, B, T, dim, seed)
+
+    case(LAYER, name, lambda g: (), call, atol=1e-5, rtol=1e-4, hidden=hidden)
 
 
-@public("ch01.DecoderLayer")
-def _(DecoderLayer):
-    _check_layer(DecoderLayer, "self_attn", 1, 3, 8, 41)
+case(LAYER, "the parts under the checkpoint's names", lambda g: (), _layer_names)
+_layer_case("what each branch reads, and the two residuals", "self_attn", 1, 3, 8, 41)
+_layer_case("a linear_attn mixer, batch 2", "linear_attn", 2, 5, 12, 51, hidden=True)
+_layer_case("one token, batch 3", "self_attn", 3, 1, 6, 61, hidden=True)
 
 
-@hidden("ch01.DecoderLayer")
-def _(DecoderLayer):
-    _check_layer(DecoderLayer, "linear_attn", 2, 5, 12, 51)
-    _check_layer(DecoderLayer, "self_attn", 3, 1, 6, 61)
+def layer_variant(kind):
+    """The reference layer with one stage done wrong."""
+
+    class Wrong(dec.DecoderLayer):
+        def __init__(self, mixer_name, mixer, mlp, n1, n2):
+            if kind == "fixed_name":
+                mixer_name = "self_attn"
+            if kind == "swapped_norms":
+                n1, n2 = n2, n1
+            super().__init__(mixer_name, mixer, mlp, n1, n2)
+
+        def forward(self, x, cos, sin, cache=None):
+            m, n1, n2 = self.mixer, self.input_layernorm, self.post_attention_layernorm
+            if kind == "post_norm":
+                x = n1(x + m(x, cos, sin, cache))
+                return n2(x + self.mlp(x))
+            if kind == "no_pre_norm":
+                x = x + m(x, cos, sin, cache)
+                return x + self.mlp(n2(x))
+            if kind == "parallel":
+                return x + m(n1(x), cos, sin, cache) + self.mlp(n2(x))
+            if kind == "no_first_residual":
+                x = m(n1(x), cos, sin, cache)
+                return x + self.mlp(n2(x))
+            if kind == "no_second_residual":
+                x = x + m(n1(x), cos, sin, cache)
+                return self.mlp(n2(x))
+            if kind == "no_cache":
+                x = x + m(n1(x), cos, sin, None)
+                return x + self.mlp(n2(x))
+            return super().forward(x, cos, sin, cache)
+
+    return Wrong
+
+
+PRE_NORM = (
+    "pre-norm: each branch reads its own norm of the stream (the mixer input_layernorm(x), the "
+    "mlp post_attention_layernorm(h)); the stream itself is never normalised"
+)
+for _kind, _idea in {
+    "fixed_name": "the checkpoint's names: register the mixer under mixer_name (self_attn or "
+    "linear_attn), as the checkpoint stores it",
+    "swapped_norms": "input_layernorm normalises the mixer's input, post_attention_layernorm "
+    "the mlp's: in that order",
+    "post_norm": PRE_NORM,
+    "no_pre_norm": PRE_NORM,
+    "parallel": "the mlp reads the stream after the mixer's residual addition, "
+    "post_attention_layernorm(x + mixer(...)), not the layer's input (a parallel block, not "
+    "Qwen's)",
+    "no_first_residual": "first residual missing: the stream after the mixer is x + mixer(...), "
+    "not mixer(...) alone",
+    "no_second_residual": "second residual missing: return h + mlp(post_attention_layernorm(h))",
+    "no_cache": "the mixer must get cos, sin and this layer's cache: mixer(norm(x), cos, sin, "
+    "cache); without its cache it cannot see the earlier tokens",
+}.items():
+    mistake(LAYER, _idea, name=f"layer_{_kind}")(layer_variant(_kind))
+
+
+FORWARD = "ch01.model_forward"
 
 
 def _tiny_model(seed, qwen3=True, tied=True, n_heads=4, n_kv=2, layers=2, rope_scaling=None):
@@ -1199,134 +1253,143 @@ class _Calls:
             h.remove()
 
 
-def _run_forward(model_forward, model, ids, cache=None, last_only=False):
+def _forward_run(model_forward, model, ids, cache=None, last_only=False):
+    """The logits, and what the layers, the final norm and the head were given. A layer handed
+    something other than its own state may crash inside: that is what is reported then."""
     calls = _Calls(model)
+    crash = None
     try:
         with torch.no_grad():
             out = model_forward(model, ids, cache, last_only)
     except NotImplementedError:
         raise
-    except Exception:
-        _check_states(calls, cache)  # a whole Cache handed to a layer crashes inside it
-        raise
+    except Exception as e:
+        crash, out = e, None
     finally:
         calls.remove()
-    return out, calls
+    own = all(cache is None or c.get("cache") is cache.layers[i] for i, c in calls.layers)
+    if crash is not None and own:
+        raise crash
+    first = calls.layers[0][1] if calls.layers else {}
+    return out, {
+        "the layers called, in order, each once": [i for i, _ in calls.layers],
+        "each layer got its own state, cache.layers[i]": own,
+        "the first layer's input: the embeddings of the ids": first.get("x"),
+        "cos given to the layers: rotary_cos_sin(config, positions of the new tokens)": first.get(
+            "cos"
+        ),
+        "sin given to the layers": first.get("sin"),
+        "times the final norm (model.model.norm) ran": len(calls.norm),
+        "positions the head was applied to": [h.shape[1] for h in calls.head],
+    }
 
 
-def _check_states(calls, cache):
-    for i, call in calls.layers:
-        if cache is not None and call.get("cache") is not cache.layers[i]:
-            raise AssertionError(
-                f"layer {i} must get its own state, cache.layers[{i}] (got "
-                f"{type(call.get('cache')).__name__})"
-            )
+def _forward_plain(model_forward, seed, B, T):
+    model = _tiny_model(seed)
+    ids = torch.randint(0, 64, (B, T), generator=seeded(seed + 1))
+    out, stages = _forward_run(model_forward, model, ids)
+    return stages | {"logits [B, T, vocab]": out}
 
 
-def _check_positions(calls, model, start, T):
-    cfg = model.config
-    if not calls.layers:
-        raise AssertionError("no decoder layer was called")
-    order = [i for i, _ in calls.layers]
-    expect_equal("the layers called, in order (each once)", order, list(range(len(order))))
-    expect_equal("number of layers called", len(order), cfg.num_hidden_layers)
-    cos, sin = rope_cos_sin(torch.arange(start, start + T), cfg.rotary_dim, cfg.rope_theta)
-    got = calls.layers[0][1].get("cos")
-    if got is None or tuple(got.shape) != tuple(cos.shape):
-        raise AssertionError(
-            f"the layers get the RoPE angles of the new tokens: cos of shape {tuple(cos.shape)}"
-        )
-    if not _close(got, cos):
-        for wrong in range(0, start + T + 1):
-            w, _ = rope_cos_sin(torch.arange(wrong, wrong + T), cfg.rotary_dim, cfg.rope_theta)
-            if _close(got, w):
-                raise AssertionError(
-                    f"positions: with {start} tokens in the cache the new tokens are positions "
-                    f"{start}..{start + T - 1}; your angles are those of positions "
-                    f"{wrong}..{wrong + T - 1}"
-                )
-        raise AssertionError("the layers' cos differs from rope_cos_sin of the new positions")
-    expect_close("sin given to the layers", calls.layers[0][1].get("sin"), sin, atol=1e-6, rtol=0)
-
-
-@public("ch01.model_forward")
-def _(model_forward):
-    model = _tiny_model(70)
-    ids = torch.randint(0, 64, (2, 5), generator=seeded(71))
-    out, calls = _run_forward(model_forward, model, ids)
-    _check_positions(calls, model, 0, 5)
+def _forward_cached(model_forward, seed, cached, T, last_only, B=1, **model):
+    """`T` tokens after `cached` in the package's cache (and the pass's effect on it), then
+    the whole sequence with last_only."""
+    model = _tiny_model(seed, **model)
+    ids = torch.randint(0, 64, (B, cached + T), generator=seeded(seed + 1))
     with torch.no_grad():
-        x = model.model.embed_tokens(ids)
-    expect_close("the first layer's input: the embeddings", calls.layers[0][1]["x"], x, 0, 0)
-    if len(calls.norm) != 1:
-        raise AssertionError("the final norm (model.model.norm) must run once, before the head")
-    expect_equal("logits shape", tuple(out.shape), (2, 5, 64))
-    with torch.no_grad():
-        expected = dec.model_forward(model, ids)
-    expect_close("logits", out, expected, atol=1e-5, rtol=1e-4)
-
-
-@public("ch01.model_forward")
-def _(model_forward):
-    model = _tiny_model(72)
-    ids = torch.randint(0, 64, (1, 7), generator=seeded(73))
-    with torch.no_grad():
-        full = model(ids)  # one pass over all 7 tokens, no cache
-        cache = model.new_cache(1)
-        model(ids[:, :4], cache=cache)  # 4 tokens cached (the package's pass commits them)
-    out, calls = _run_forward(model_forward, model, ids[:, 4:], cache)
-    _check_positions(calls, model, 4, 3)
-    _check_states(calls, cache)
-    if cache.length != 4:
-        raise AssertionError(
-            "model_forward must not commit or advance the cache (cache.length went from 4 to "
-            f"{cache.length}): the model commits it once the pass has finished"
-        )
-    expect_close("3 tokens after 4 cached == the full pass's last 3", out, full[:, 4:], 1e-5, 1e-4)
-    out, calls = _run_forward(model_forward, model, ids, None, last_only=True)
-    expect_equal("logits shape with last_only", tuple(out.shape), (1, 1, 64))
-    expect_close("last_only logits == the full pass's last position", out, full[:, -1:], 1e-5, 1e-4)
-    expect_equal(
-        "positions the head was applied to with last_only (1: only the last one)",
-        calls.head[0].shape[1],
-        1,
+        cache = model.new_cache(B)
+        model(ids[:, :cached], cache=cache)  # the package's pass commits them
+    out, stages = _forward_run(model_forward, model, ids[:, cached:], cache, last_only)
+    stages = {f"after {cached} cached: {k}": v for k, v in stages.items()}
+    stages[f"cache.length after the pass (still {cached}: the model commits it, not yours)"] = (
+        cache.length
     )
+    stages[f"logits of {T} tokens after {cached} cached"] = out
+    if not last_only:
+        whole, more = _forward_run(model_forward, model, ids, None, last_only=True)
+        stages["with last_only: positions the head was applied to (1: only the last)"] = more[
+            "positions the head was applied to"
+        ]
+        stages["with last_only: the logits of the last position"] = whole
+    return stages
 
 
-@public("ch01.model_forward", "the angles of a config with RoPE scaling")
-def _(model_forward):
+def _forward_yarn(model_forward):
     # YaRN (what Qwen3's model card adds to config.json past 32k tokens) changes every angle
     yarn = RopeScaling("yarn", factor=4.0, original_max_position_embeddings=32)
     model = _tiny_model(76, rope_scaling=yarn)
     ids = torch.randint(0, 64, (1, 6), generator=seeded(77))
-    out, calls = _run_forward(model_forward, model, ids)
-    cos, sin = rotary_cos_sin(model.config, torch.arange(6))
-    got = calls.layers[0][1].get("cos") if calls.layers else None
-    if got is None or tuple(got.shape) != tuple(cos.shape) or not _close(got, cos):
-        raise AssertionError(
-            "with rope_scaling in the config (here YaRN, factor 4) the angles differ from plain "
-            "RoPE's at every position: take them from rotary_cos_sin(model.config, positions, "
-            "dtype), which applies the scaling, not from rope_cos_sin"
-        )
-    with torch.no_grad():
-        expected = dec.model_forward(model, ids)
-    expect_close("logits of the YaRN-scaled model", out, expected, atol=1e-5, rtol=1e-4)
+    out, stages = _forward_run(model_forward, model, ids)
+    return stages | {"logits of the YaRN-scaled model": out}
 
 
-@hidden("ch01.model_forward")
-def _(model_forward):
-    model = _tiny_model(74, qwen3=False, tied=False, n_heads=6, n_kv=1, layers=3)
-    ids = torch.randint(0, 64, (3, 6), generator=seeded(75))
-    with torch.no_grad():
-        full = model(ids)
-        cache = model.new_cache(3)
-        model(ids[:, :5], cache=cache)
-    out, calls = _run_forward(model_forward, model, ids[:, 5:], cache, last_only=True)
-    _check_positions(calls, model, 5, 1)
-    expect_close("one token after 5 cached, batch 3", out, full[:, -1:], atol=1e-5, rtol=1e-4)
+for _name, _call, _hidden in [
+    ("no cache: layers, positions, final norm, head", lambda f: _forward_plain(f, 70, 2, 5), False),
+    (
+        "3 tokens after 4 cached, and last_only",
+        lambda f: _forward_cached(f, 72, 4, 3, False),
+        False,
+    ),
+    ("the angles of a config with RoPE scaling", _forward_yarn, False),
+    (
+        "one token after 5 cached, batch 3, untied Qwen2 with 6 heads on 1",
+        lambda f: _forward_cached(
+            f, 74, 5, 1, True, 3, qwen3=False, tied=False, n_heads=6, n_kv=1, layers=3
+        ),
+        True,
+    ),
+]:
+    case(FORWARD, _name, lambda g: (), _call, atol=1e-5, rtol=1e-4, hidden=_hidden)
+
+
+def forward_variant(kind):
+    """The reference forward pass with one stage done wrong."""
+
+    def model_forward(model, input_ids, cache=None, last_only=False):
+        cfg, backbone = model.config, model.model
+        start = cache.length if cache is not None and kind != "positions_from_0" else 0
+        x = backbone.embed_tokens(input_ids)
+        positions = torch.arange(start, start + input_ids.shape[1])
+        if kind == "plain_rope":  # ignores the config's RoPE scaling
+            cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+        else:
+            cos, sin = rotary_cos_sin(cfg, positions, x.dtype)
+        for i, layer in enumerate(backbone.layers):
+            state = None if cache is None else cache.layers[i]
+            if kind == "whole_cache" and cache is not None:
+                state = cache
+            x = layer(x, cos, sin, state)
+        if kind != "no_final_norm":
+            x = backbone.norm(x)
+        if kind == "commits" and cache is not None:
+            cache.commit(input_ids.shape[1])
+        if last_only and kind != "head_on_all":
+            x = x[:, -1:]
+        logits = model.lm_head(x)
+        return logits[:, -1:] if last_only and kind == "head_on_all" else logits
+
+    return model_forward
+
+
+for _kind, _idea in {
+    "positions_from_0": "positions: with a cache holding cache.length tokens the new tokens are "
+    "positions cache.length, cache.length + 1, ...; yours start at 0",
+    "whole_cache": "layer i must get its own state, cache.layers[i], not the whole cache",
+    "commits": "model_forward must not commit or advance the cache: the model commits it once "
+    "the pass has finished",
+    "no_final_norm": "the final norm (model.model.norm) must run once, before the head",
+    "head_on_all": "with last_only the head was applied to every position: slice the last one "
+    "first (x[:, -1:]), then apply lm_head, the costliest matmul of a step",
+    "plain_rope": "with rope_scaling in the config (here YaRN, factor 4) the angles differ from "
+    "plain RoPE's at every position: take them from rotary_cos_sin(model.config, positions, "
+    "dtype), which applies the scaling, not from rope_cos_sin",
+}.items():
+    mistake(FORWARD, _idea, name=f"forward_{_kind}")(forward_variant(_kind))
 
 
 # loading
+
+LOAD = "ch01.load_weights"
 
 
 def _header_of(state: dict) -> dict:
@@ -1349,6 +1412,8 @@ def _checkpoint(model, prefix="model."):
 
 
 def _load(load_weights, model, stored, prefix="model."):
+    """Load `stored` into an empty (meta) model of `model`'s config: (the model, the returned
+    map, the keys read in order), or the KeyError raised, as text."""
     reads = []
 
     def get_tensor(key):
@@ -1356,146 +1421,152 @@ def _load(load_weights, model, stored, prefix="model."):
         return stored[key]
 
     target = meta_model(model.config)
-    sources = load_weights(target, _header_of(stored), get_tensor, prefix)
-    twice = sorted({k for k in reads if reads.count(k) > 1})
-    if twice:
-        raise AssertionError(f"read each needed tensor once; read twice: {twice}")
+    try:
+        sources = load_weights(target, _header_of(stored), get_tensor, prefix)
+    except KeyError as e:  # a key the checkpoint does not hold: which one is what matters
+        return target, f"KeyError: {e}", reads
     return target, sources, reads
 
 
-def _expect_same_weights(target, model):
-    for name, t in model.state_dict().items():
-        got = target.state_dict().get(name)
-        if got is None or got.is_meta:
-            raise AssertionError(
-                f"parameter {name!r} was not filled (still on the meta device): a model built "
-                "on the meta device has no memory to copy into; load_state_dict(..., "
-                "assign=True) puts the checkpoint's tensors in place of its parameters"
-            )
-        expect_close(f"parameter {name}", got, t, atol=0, rtol=0)
+def _weights(target, model) -> dict:
+    """Each parameter as loaded (the text "not filled" where it is still on the meta device)."""
+    got = target.state_dict()
+    return {
+        name: "not filled (still on the meta device)"
+        if got.get(name) is None or got[name].is_meta
+        else got[name]
+        for name in model.state_dict()
+    }
 
 
-@public("ch01.load_weights")
-def _(load_weights):
+def _load_untied(load_weights):
     model = _tiny_model(80, tied=False)
     stored = _checkpoint(model)
     stored["model.rotary_emb.inv_freq"] = torch.zeros(4)  # a tensor the model does not use
     target, sources, reads = _load(load_weights, model, stored)
-    expect_equal(
-        "returned {parameter: checkpoint key} (here the names agree)",
-        sources,
-        {k: k for k in model.state_dict()},
-    )
-    _expect_same_weights(target, model)
-    twice = sorted({k for k in reads if reads.count(k) > 1})
-    if twice or "model.rotary_emb.inv_freq" in reads:
-        raise AssertionError(
-            f"read each needed tensor once and nothing else (read twice: {twice}; unneeded: "
-            f"{[k for k in reads if k not in sources.values()]})"
-        )
     w = target.model.layers[0].self_attn.q_proj.weight
-    if w.data_ptr() != stored["model.layers.0.self_attn.q_proj.weight"].data_ptr():
-        raise AssertionError(
-            "the parameters must be the tensors get_tensor returned, not copies of them "
-            "(load_state_dict(..., assign=True)): a copy doubles the memory of a mapped file"
-        )
+    return {
+        "returned {parameter: checkpoint key} (here the names agree)": sources,
+        "each needed tensor read once, nothing else": sorted(reads),
+        "every parameter filled with the checkpoint's tensor": _weights(target, model),
+        "parameters are the tensors get_tensor returned (assign=True), not copies": (
+            w.data_ptr() == stored["model.layers.0.self_attn.q_proj.weight"].data_ptr()
+        ),
+    }
 
 
-@public("ch01.load_weights")
-def _(load_weights):
+def _load_tied(load_weights):
     model = _tiny_model(81, tied=True)
     stored = _checkpoint(model)
     # a stored copy of the head, as Qwen3-0.6B's file has; made different here so it shows
     stored["lm_head.weight"] = stored["model.embed_tokens.weight"] + 1
     target, sources, reads = _load(load_weights, model, stored)
-    if "lm_head.weight" not in reads and "lm_head.weight" not in sources:
-        raise AssertionError(
-            "the map names a source for every entry of model.state_dict(), the tied head "
-            "included: lm_head.weight <- 'model.embed_tokens.weight'"
-        )
-    if "lm_head.weight" in reads or sources.get("lm_head.weight") != "model.embed_tokens.weight":
-        raise AssertionError(
-            "tied head: lm_head.weight is filled from model.embed_tokens.weight (it is the "
-            "embedding); the stored copy must not be read (your map says lm_head.weight <- "
-            f"{sources.get('lm_head.weight')!r})"
-        )
-    expect_close(
-        "tied head == embedding", target.lm_head.weight, model.model.embed_tokens.weight, 0, 0
-    )
-    if target.lm_head.weight is not target.model.embed_tokens.weight:
-        raise AssertionError(
-            "tied head: after loading, lm_head.weight must be the same Parameter as "
-            "model.embed_tokens.weight (assign=True made two; tie them again)"
-        )
+    tied = {
+        "the source of lm_head.weight (tied: the embedding)": sources.get("lm_head.weight")
+        if isinstance(sources, dict)
+        else sources,
+        "the keys read (each needed tensor once, not the stored copy of the head)": sorted(reads),
+        "lm_head.weight after loading": target.lm_head.weight
+        if not target.lm_head.weight.is_meta
+        else "not filled",
+        "lm_head.weight is the same Parameter as model.embed_tokens.weight": (
+            target.lm_head.weight is target.model.embed_tokens.weight
+        ),
+    }
     del stored["lm_head.weight"]  # most tied checkpoints store no head at all
     target, _, _ = _load(load_weights, model, stored)
-    _expect_same_weights(target, model)
+    return tied | {"a tied checkpoint without a head: the parameters": _weights(target, model)}
 
 
-@public("ch01.load_weights")
-def _(load_weights):
+def _load_prefixed(load_weights):
     model = _tiny_model(82, tied=True)
     prefix = "model.language_model."  # Qwen3.5: the text model inside a multimodal checkpoint
     stored = _checkpoint(model, prefix)
     stored["model.visual.patch_embed.proj.weight"] = torch.zeros(2, 2)
-    try:
-        target, sources, reads = _load(load_weights, model, stored, prefix)
-    except KeyError as e:
-        raise AssertionError(
-            f"prefix: this checkpoint keeps the text model under {prefix!r}, so "
-            f"model.norm.weight is stored as {prefix + 'norm.weight'!r} (your code raised "
-            f"KeyError: {e})"
-        ) from None
-    expect_equal(
-        f"checkpoint key of model.norm.weight with prefix {prefix!r}",
-        sources.get("model.norm.weight"),
-        prefix + "norm.weight",
+    target, sources, _ = _load(load_weights, model, stored, prefix)
+    key = sources.get("model.norm.weight") if isinstance(sources, dict) else sources
+    out = {
+        f"checkpoint key of model.norm.weight with prefix {prefix!r}": key,
+        "the parameters": _weights(target, model),
+    }
+    missing = prefix + "layers.1.mlp.up_proj.weight"
+    del stored[missing]
+    _, raised, _ = _load(load_weights, model, stored, prefix)
+    out["a tensor missing from the checkpoint raises KeyError naming it"] = (
+        isinstance(raised, str) and missing in raised
     )
-    _expect_same_weights(target, model)
-    del stored[prefix + "layers.1.mlp.up_proj.weight"]
-    try:
-        _load(load_weights, model, stored, prefix)
-    except KeyError as e:
-        if prefix + "layers.1.mlp.up_proj.weight" not in str(e):
-            raise AssertionError(
-                f"the KeyError must name the missing tensor; it says {e}"
-            ) from None
-    else:
-        raise AssertionError("a tensor missing from the checkpoint must raise KeyError naming it")
+    return out
 
 
-@hidden("ch01.load_weights")
-def _(load_weights):
+def _load_qwen2(load_weights):
     model = _tiny_model(83, qwen3=False, tied=False, n_heads=6, n_kv=3, layers=3)
-    stored = _checkpoint(model)
-    target, sources, _ = _load(load_weights, model, stored)
-    _expect_same_weights(target, model)
-    expect_equal("lm_head of an untied model", sources["lm_head.weight"], "lm_head.weight")
+    target, sources, _ = _load(load_weights, model, _checkpoint(model))
+    return {
+        "lm_head of an untied model": sources.get("lm_head.weight")
+        if isinstance(sources, dict)
+        else sources,
+        "the parameters": _weights(target, model),
+    }
+
+
+case(
+    LOAD, "an untied model: the map, the reads, the tensors themselves", lambda g: (), _load_untied
+)
+case(LOAD, "a tied head, with and without a stored copy", lambda g: (), _load_tied)
+case(LOAD, "a checkpoint with a prefix, and a missing tensor", lambda g: (), _load_prefixed)
+case(LOAD, "an untied Qwen2 of 3 layers", lambda g: (), _load_qwen2, hidden=True)
+
+
+def load_variant(kind):
+    """The reference loader with one step done wrong."""
+
+    def load_weights(model, header, get_tensor, prefix="model."):
+        tied = model.config.tie_word_embeddings
+        sources = {}
+        for name in model.state_dict():
+            key = name
+            if kind != "no_prefix" and name.startswith("model."):
+                key = prefix + name.removeprefix("model.")
+            if tied and name == "lm_head.weight" and kind != "stored_copy":
+                key = prefix + "embed_tokens.weight"
+            if tied and name == "lm_head.weight" and kind == "stored_copy" and key not in header:
+                key = prefix + "embed_tokens.weight"
+            if key not in header:
+                raise KeyError(key)
+            sources[name] = key
+        if kind == "read_twice":
+            state = {n: get_tensor(k) for n, k in sources.items()}
+        else:
+            tensors = {k: get_tensor(k) for k in dict.fromkeys(sources.values())}
+            state = {n: tensors[k] for n, k in sources.items()}
+        with warnings.catch_warnings():  # torch warns about copying into a meta model
+            warnings.simplefilter("ignore")
+            model.load_state_dict(state, strict=True, assign=kind != "no_assign")
+        if tied and kind != "no_retie":
+            model.lm_head.weight = model.model.embed_tokens.weight
+        return sources
+
+    return load_weights
+
+
+for _kind, _idea in {
+    "no_retie": "tied head: after loading, lm_head.weight must be the same Parameter as "
+    "model.embed_tokens.weight (assign=True made two; tie them again)",
+    "stored_copy": "tied head: lm_head.weight is filled from model.embed_tokens.weight (it is "
+    "the embedding); the stored copy must not be read",
+    "no_prefix": "prefix: this checkpoint keeps the text model under 'model.language_model.', so "
+    "model.norm.weight is stored as 'model.language_model.norm.weight'",
+    "no_assign": "a model built on the meta device has no memory to copy into: "
+    "load_state_dict(..., assign=True) puts the checkpoint's tensors in place of its parameters",
+    "read_twice": "read each needed tensor once: a tensor read twice (the tied head's source) "
+    "is read twice from the file",
+}.items():
+    mistake(LOAD, _idea, name=f"load_{_kind}")(load_variant(_kind))
 
 
 # generation
 
-
-class _Watched:
-    """A model that records its calls: how many tokens each call fed, with which cache."""
-
-    def __init__(self, model):
-        self.model, self.calls, self.caches = model, [], []
-        self.config, self.lm_head = model.config, model.lm_head
-
-    def parameters(self):
-        return self.model.parameters()
-
-    def new_cache(self, batch_size=1):
-        cache = self.model.new_cache(batch_size)
-        self.caches.append(cache)
-        return cache
-
-    def __call__(self, ids, cache=None, last_only=False):
-        self.calls.append((ids.clone(), cache, last_only))
-        return self.model(ids, cache=cache, last_only=last_only)
-
-    forward = __call__
+DECODE = "ch01.decode"
 
 
 def _reference_tokens(model, prompt, n, choose, stop=()):
@@ -1515,70 +1586,101 @@ def _second_best(logits):
     return int(logits.topk(2).indices[1])
 
 
-def _check_decode(decode, seed, prompt_len, n, choose=None, stop=None, stop_at=None):
+def _decode_run(decode, seed, prompt_len, n, choose=None, stop=None, stop_at=None):
+    """The tokens, and how the model was called (a Watched model records its calls)."""
     model = _tiny_model(seed)
     prompt = torch.randint(0, 64, (prompt_len,), generator=seeded(seed + 1)).tolist()
     if stop_at is not None:  # stop at the token greedy decoding reaches at step `stop_at`
         stop = {_reference_tokens(model, prompt, stop_at + 1, dec.greedy)[stop_at]}
-    watched = _Watched(model)
-    kwargs = {}
-    if choose is not None:
-        kwargs["choose"] = choose
+    watched = Watched(model)
+    kwargs = {"choose": choose} if choose is not None else {}
     if stop is not None:
         kwargs["stop"] = stop
     with torch.no_grad():
         got = list(decode(watched, prompt, n, **kwargs))
-    expected = _reference_tokens(model, prompt, n, choose or dec.greedy, stop or ())
-    if len(watched.caches) != 1:
-        raise AssertionError(
-            f"one cache for the whole generation: model.new_cache() was called "
-            f"{len(watched.caches)} times"
-        )
-    fed = [c[0].shape[1] for c in watched.calls]
-    if fed and fed[0] != prompt_len:
-        raise AssertionError(
-            f"prefill: the first call feeds the whole prompt ({prompt_len} tokens)"
-        )
-    if any(t != 1 for t in fed[1:]):
-        raise AssertionError(
-            f"after the prefill, feed only the token just chosen (1 token a call; yours fed "
-            f"{fed}): the cache holds everything before it"
-        )
-    if any(c[1] is not watched.caches[0] for c in watched.calls):
-        raise AssertionError("every call must pass the cache (model(ids, cache=cache, ...))")
-    if any(not c[2] for c in watched.calls):
-        raise AssertionError("ask for the last position's logits only: last_only=True")
-    for step, (ids, _, _) in enumerate(watched.calls[1:]):
-        if int(ids[0, 0]) != got[step]:
-            raise AssertionError(
-                f"step {step + 1} must feed the token chosen at step {step} ({got[step]}), "
-                f"not {int(ids[0, 0])}"
-            )
-    if got != expected:
-        if len(got) > len(expected) and stop:
-            raise AssertionError("after yielding an id in `stop`, end the generation")
-        if stop and got == expected[:-1]:
-            raise AssertionError("yield the stop id too, then end (the caller sees why it ended)")
-        if choose is not None and got == _reference_tokens(model, prompt, n, dec.greedy):
-            raise AssertionError("pick each token with choose(logits), not always the argmax")
-        if len(got) != len(expected) and not stop:
-            raise AssertionError(f"max_new_tokens={n}: yield {n} ids, not {len(got)}")
-    expect_equal(f"tokens ({n} at most, prompt of {prompt_len})", got, expected)
+    cache = watched.caches[0] if watched.caches else None
+    what = f"{n} at most" + (", ending at a stop id" if stop else "")
+    return {
+        "times model.new_cache() was called (one cache for the whole generation)": len(
+            watched.caches
+        ),
+        "tokens fed at each call (the prompt once, then 1 a call)": [
+            c[0].shape[1] for c in watched.calls
+        ],
+        "every call passes that cache": all(c[1] is cache for c in watched.calls),
+        "every call asks for the last position only (last_only=True)": all(
+            c[2] for c in watched.calls
+        ),
+        "each step feeds the token chosen before it": [int(c[0][0, 0]) for c in watched.calls[1:]]
+        == got[: len(watched.calls) - 1],
+        f"the tokens ({what}; prompt of {prompt_len})": got,
+    }
 
 
-@public("ch01.decode")
-def _(decode):
-    _check_decode(decode, 90, 5, 6)
-    _check_decode(decode, 91, 3, 0)
+def _decode_case(name, *args, hidden=False, **kwargs):
+    def call(decode):
+        return _decode_run(decode, *args, **kwargs)
+
+    def expected():  # how the package calls the model; the tokens recomputed without a cache
+        return _decode_run(dec.decode, *args, **kwargs) | _decode_tokens(*args, **kwargs)
+
+    case(DECODE, name, lambda g: (), call, expected, hidden=hidden)
 
 
-@public("ch01.decode")
-def _(decode):
-    _check_decode(decode, 92, 4, 5, choose=_second_best)
-    _check_decode(decode, 93, 3, 8, stop_at=2)  # ends after yielding the stop token
+def _decode_tokens(seed, prompt_len, n, choose=None, stop=None, stop_at=None):
+    model = _tiny_model(seed)
+    prompt = torch.randint(0, 64, (prompt_len,), generator=seeded(seed + 1)).tolist()
+    if stop_at is not None:
+        stop = {_reference_tokens(model, prompt, stop_at + 1, dec.greedy)[stop_at]}
+    what = f"{n} at most" + (", ending at a stop id" if stop else "")
+    tokens = _reference_tokens(model, prompt, n, choose or dec.greedy, stop or ())
+    return {f"the tokens ({what}; prompt of {prompt_len})": tokens}
 
 
-@hidden("ch01.decode")
-def _(decode):
-    _check_decode(decode, 94, 9, 7, choose=_second_best, stop={-1})
-    _check_decode(decode, 95, 1, 4)
+_decode_case("greedy, 6 tokens after a prompt of 5", 90, 5, 6)
+_decode_case("0 tokens asked for", 91, 3, 0)
+_decode_case("choose picks the second best", 92, 4, 5, choose=_second_best)
+_decode_case("a stop id reached at step 2", 93, 3, 8, stop_at=2)
+_decode_case("choose, and a stop id never reached", 94, 9, 7, _second_best, {-1}, hidden=True)
+_decode_case("a prompt of 1", 95, 1, 4, hidden=True)
+
+
+def decode_variant(kind):
+    """The reference generation loop with one step done wrong."""
+
+    def decode(model, prompt_ids, max_new_tokens, choose=dec.greedy, stop=()):
+        device = next(model.parameters()).device
+        ids = list(prompt_ids)
+        cache = model.new_cache(batch_size=1) if kind != "no_cache" else None
+        feed = torch.tensor([ids], device=device)
+        n = max_new_tokens - 1 if kind == "one_short" else max_new_tokens
+        for _ in range(n):
+            if kind == "new_cache_each_step":
+                cache = model.new_cache(batch_size=1)
+                feed = torch.tensor([ids], device=device)
+            if kind == "no_cache":
+                feed = torch.tensor([ids], device=device)
+            logits = model(feed, cache=cache, last_only=True)[0, -1]
+            token = int(logits.argmax()) if kind == "ignores_choose" else choose(logits)
+            if kind == "hides_stop" and token in stop:
+                return
+            yield token
+            if token in stop and kind != "never_stops":
+                return
+            ids.append(token)
+            feed = torch.tensor([[token]], device=device)
+
+    return decode
+
+
+for _kind, _idea in {
+    "no_cache": "one cache for the whole generation: model.new_cache() once, then feed only the "
+    "token just chosen",
+    "new_cache_each_step": "one cache for the whole generation: new_cache() was called at every "
+    "step, so every step recomputes the whole sequence",
+    "ignores_choose": "pick each token with choose(logits), not always the argmax",
+    "hides_stop": "yield the stop id too, then end (the caller sees why it ended)",
+    "never_stops": "after yielding an id in `stop`, end the generation",
+    "one_short": "max_new_tokens: yield that many ids (unless a stop id ends it first)",
+}.items():
+    mistake(DECODE, _idea, name=f"decode_{_kind}")(decode_variant(_kind))

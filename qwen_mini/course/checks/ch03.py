@@ -16,6 +16,7 @@ from torch import nn
 
 from qwen_mini import moe as ref
 from qwen_mini.course.checking import between, case, mistake, named, randn, register
+from qwen_mini.course.fakes.ch03 import CountedFused, CountedMLP, CountingExpert
 from qwen_mini.course.lab import ch03 as lab
 from qwen_mini.mlp import MLP
 
@@ -192,18 +193,6 @@ def route_int32_indices(logits, k, norm_topk_prob=True):
 # --- grouped_dispatch -----------------------------------------------------------------------------
 
 
-class _Expert(nn.Sequential):
-    """An expert that counts its calls in `forward` itself: a hook would not see a call of
-    `expert.forward(x)`, which skips the hooks. `count` is set by the case that counts."""
-
-    def forward(self, x):
-        self.count(x.shape[0])
-        return super().forward(x)
-
-    def count(self, rows: int) -> None:
-        pass
-
-
 def _experts(g, n: int, h: int) -> list[nn.Module]:
     """n non-linear experts (tanh of a linear map: a sum of inputs would not pass)."""
     experts = []
@@ -211,7 +200,7 @@ def _experts(g, n: int, h: int) -> list[nn.Module]:
         linear = nn.Linear(h, h, bias=False)
         with torch.no_grad():
             linear.weight.copy_(torch.randn(h, h, generator=g) / h**0.5)
-        experts.append(_Expert(linear, nn.Tanh()))
+        experts.append(CountingExpert(linear, nn.Tanh()))
     return experts
 
 
@@ -249,7 +238,7 @@ def _dispatched(grouped_dispatch, x, weights, idx, experts):
 
 def _scaling_experts(g):
     # token 0: 0.75 * 1000 x0 + 0.25 * 10 x0 = 752.5 x0; token 1: 0.5 * 10 x1 + 0.5 * 100 x1
-    experts = [_Expert(nn.Linear(2, 2, bias=False)) for _ in range(3)]
+    experts = [CountingExpert(nn.Linear(2, 2, bias=False)) for _ in range(3)]
     with torch.no_grad():
         for expert, scale in zip(experts, (10.0, 100.0, 1000.0), strict=True):
             expert[0].weight.copy_(scale * torch.eye(2))
@@ -928,28 +917,6 @@ def split_sharing_storage(mlp, num_experts):
 # --- SparseMoeBlock and SharedExpertMoeBlock: the blocks, built from the learner's class -------
 
 
-class _CountedMLP(MLP):
-    """A per-expert SwiGLU that counts its calls in `forward` (`count` is set by the case)."""
-
-    def forward(self, x):
-        self.count(x.shape[0])
-        return super().forward(x)
-
-    def count(self, rows: int) -> None:
-        pass
-
-
-class _CountedFused(ref.FusedExperts):
-    """Fused experts that count the calls of each expert (`count` is set by the case)."""
-
-    def expert(self, e, x):
-        self.count(x.shape[0], e)
-        return super().expert(e, x)
-
-    def count(self, rows: int, e: int) -> None:
-        pass
-
-
 def _moe_inputs(B, T, H, I, E, k, norm, fused=False, shared=0, dtype=torch.float32, idle=None):
     """(the block's arguments, weights for it, tokens [B, T, H]). `idle`: an expert that no
     token chooses (its router row points away from every token), so it must never run."""
@@ -995,10 +962,10 @@ def _moe_run(block_class, args, weights, x):
 
     block.to(x.dtype).load_state_dict(weights)  # its own experts first: all names must fit
     if fused:
-        experts = _CountedFused(E, H, I)
+        experts = CountedFused(E, H, I)
         experts.count = count
     else:
-        experts = nn.ModuleList(_CountedMLP(H, I) for _ in range(E))
+        experts = nn.ModuleList(CountedMLP(H, I) for _ in range(E))
         for e, expert in enumerate(experts):
             expert.count = lambda n_rows, e=e: count(n_rows, e)
     own = {k.removeprefix("experts."): v for k, v in weights.items() if k.startswith("experts.")}

@@ -15,6 +15,7 @@ import torch
 
 from qwen_mini import chat as ref
 from qwen_mini.course.checking import case, mistake, register
+from qwen_mini.course.fakes.ch04 import END, EOS, THINK, FakeModel
 
 register("ch04.render_turn", reference=ref.render_turn, points=1, title="Render one ChatML turn")
 register(
@@ -1025,28 +1026,7 @@ class StreamEmitsNewlines:
 # --- budgeted_tokens ----------------------------------------------------------------------------
 
 BUDGET = "ch04.budgeted_tokens"
-EOS, THINK, END = 0, 1, 2
 FORCED = [90, 91, END, 92]
-
-
-class FakeModel:
-    """Opens a think block, thinks (10, 11, ...) until </think> is in its context, then
-    answers 20, 21 and stops. Records what it was fed."""
-
-    def __init__(self, closes_after=None):
-        self.context, self.closes_after = [], closes_after
-
-    def __call__(self, ids):
-        self.context += list(ids)
-        if THINK not in self.context:
-            return THINK
-        after = self.context[self.context.index(THINK) + 1 :]
-        if END not in after:
-            if self.closes_after is not None and len(after) >= self.closes_after:
-                return END
-            return 10 + len(after)
-        answer = [t for t in after[after.index(END) + 1 :] if t in (20, 21)]
-        return [20, 21, EOS][min(len(answer), 2)]
 
 
 def _budget(budgeted_tokens, budget, prompt, thinking, max_new, closes_after):

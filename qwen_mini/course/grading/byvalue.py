@@ -49,15 +49,9 @@ import types
 
 import torch
 
-from ..checking import CHECKS
+from ..checking import from_checks as _from_checks
 
 STATE_OPS = ("call", "getattr", "setattr", "getitem", "setitem", "len", "iter", "next")
-
-
-def _from_checks(module) -> bool:
-    return isinstance(module, str) and module.startswith(
-        (CHECKS + ".", "qwen_mini_extra_exercises.")
-    )
 
 
 def _ours(obj) -> bool:

@@ -4,9 +4,10 @@ Each worker gets private mount and System V IPC namespaces, built in the forked 
 drops to its own user id. Its root is a fresh tmpfs holding, read-only and at their usual paths,
 only what Python and the package need: /usr, /etc and the other system folders, the Python
 installation and every folder on `sys.path`, and the package itself (from a source checkout,
-only `qwen_mini/`, never `solutions/` or `tests/`). Its /tmp, /var/tmp and /dev/shm are tmpfs of
-its own and its System V shared memory lives in its own namespace: all of it disappears with its
-last process, and each is capped at the submission's memory limit. /proc shows only its own
+only `qwen_mini/`, never `solutions/` or `tests/`), without its check modules (`hidden_paths`).
+Its /tmp, /var/tmp and /dev/shm are tmpfs of its own and its System V shared memory lives in its
+own namespace: all of it disappears with its last process, and each is capped at the
+submission's memory limit. /proc shows only its own
 processes (`hidepid=2`: the grader, other submissions and their command lines are invisible).
 Because the folders are mounted by root at their own paths, a course installed under a folder
 other users cannot enter (a 0700 home) works the same.
@@ -32,6 +33,7 @@ PRIVATE = {"/", "/tmp", "/var", "/var/tmp", "/dev", "/dev/shm", "/proc"}  # neve
 SITE = ("site-packages", "dist-packages")  # folders of installed packages, not a checkout
 DEVICES = ["null", "zero", "full", "random", "urandom"]
 PACKAGE = Path(__file__).resolve().parents[2]  # .../qwen_mini
+CHECKS_DIR = PACKAGE / "course" / "checks"  # the chapters' check modules: never shown
 
 
 GROUPS = "qwen-mini-grading"  # the memory cgroups of submissions
@@ -88,13 +90,15 @@ def _outermost(paths: list[str]) -> list[str]:
 
 
 def hidden_paths() -> list[str]:
-    """Folders inside the visible ones that a worker must not read: any extra check folder named
-    in the environment (test fixtures, an instructor's). The package's own check modules stay
-    readable: a check's fakes cross to the worker by value (byvalue.py) and need their class;
-    the zygote never imports them, and hidden cases stay secret by being drawn per run."""
+    """Folders inside the visible ones that a worker must not read: the package's check modules
+    (their hidden cases, generators and mistakes; what a check hands to the learner's code is in
+    `qwen_mini/course/fakes/`, which stays visible) and any extra check folder named in the
+    environment (test fixtures, an instructor's). The zygote never imports a check module, and
+    hidden cases' inputs are drawn with a secret of the grader's process, per run."""
     from ..checking import PATH_ENV
 
-    return [os.path.realpath(f) for f in os.environ.get(PATH_ENV, "").split(os.pathsep) if f]
+    extra = [os.path.realpath(f) for f in os.environ.get(PATH_ENV, "").split(os.pathsep) if f]
+    return [str(CHECKS_DIR), *extra]
 
 
 def _bind(source: str, target: Path, writable: bool = False) -> None:

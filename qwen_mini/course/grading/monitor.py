@@ -150,8 +150,10 @@ class Snapshot:
             codes = _codes(e.reference, earlier=set(earlier) - {e.reference})
             self.keep += codes
             self.code_ids[e.id] = {id(c) for c in codes}
+            # its own code objects, however short (a copy with another name is still a copy),
+            # but no comprehension, generator expression or lambda on its own (see _distinctive)
             self.fingerprints[e.id] = {
-                fingerprint(c) for c in codes if _distinctive(c)
+                fingerprint(c) for c in codes if not c.co_name.startswith("<")
             } | recompiled(e.reference, set(earlier) - {e.reference})
         self.package_ids = set()
         for name, module in list(sys.modules.items()):

@@ -80,6 +80,21 @@ class ProtocolError(Exception):
     """A message that is not what the protocol allows."""
 
 
+RNG_BYTES = len(torch.get_rng_state())  # torch's CPU random state (a Mersenne Twister's)
+
+
+def rng_text(state: torch.Tensor) -> str:
+    """torch's random state as text: the grader and the sandbox share the check's stream."""
+    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
+
+
+def rng_state(text) -> torch.Tensor:
+    raw = base64.b64decode(text, validate=True) if type(text) is str else b""
+    if len(raw) != RNG_BYTES:
+        raise ProtocolError("a malformed random state")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
 class WrongType(AssertionError):
     """A value from the learner's code that is not plain data (a subclass with its own rules)."""
 

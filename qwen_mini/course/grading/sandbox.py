@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ..checking import CHECKS
+from ..checking import CHECKS, from_checks
 from . import byvalue, protocol
 from .plan import ROOT, GraderError
 from .protocol import Codec, ProtocolError
@@ -177,9 +177,17 @@ def _chapter_spec(chapter: str) -> dict:
     earlier = []
     if chapter[:2] == "ch" and chapter[2:].isdigit():
         earlier = [e for n in range(int(chapter[2:])) for e in exercises(f"ch{n:02d}")]
+    for e in earlier + exercises(chapter):
+        if (getattr(e.reference, "__module__", "") or "").startswith(CHECKS + "."):
+            raise GraderError(
+                f"{e.id}: its reference is defined in {e.reference.__module__}, which the "
+                "sandbox must not see: define it in the package (or qwen_mini/course/lab/)"
+            )
     return {
         "exercises": [[e.id, _place(e.reference)] for e in exercises(chapter)],
         "earlier": [_place(e.reference) for e in earlier if isinstance(e.reference, type)],
+        # what `reference(id)` and `mine(id)` give in the sandbox, which has no check to ask
+        "pieces": [[e.id, _place(e.reference)] for e in earlier if e.reference is not None],
     }
 
 
@@ -210,9 +218,9 @@ def _end_user(uid: int, patience: float = 60.0) -> None:
 
 
 def _from_checks(module: str) -> bool:
-    """Defined in a chapter's check module (or a test fixture's): a fake model or a callback that
-    a check hands to the learner's code on purpose."""
-    return module.startswith((CHECKS + ".", "qwen_mini_extra_exercises."))
+    """Defined by a chapter's checks (or a test fixture's): a fake model or a callback that a
+    check hands to the learner's code on purpose."""
+    return from_checks(module)
 
 
 def _exportable(obj) -> bool:
@@ -281,9 +289,13 @@ def _learner_exception(info) -> Exception:
     name, text = info["type"][:100], info["msg"][:2000]
     cls = getattr(builtins, name, None)
     if isinstance(cls, type) and issubclass(cls, Exception) and cls.__module__ == "builtins":
-        return cls(text)
-    safe = name if name.isidentifier() else "Exception"
-    return type(safe, (Exception,), {"__module__": "learner"})(text)
+        e = cls(text)
+    else:
+        safe = name if name.isidentifier() else "Exception"
+        e = type(safe, (Exception,), {"__module__": "learner"})(text)
+    where = info.get("where")
+    e.learner_line = where[:300] if type(where) is str else ""  # the line of the learner's cell
+    return e
 
 
 class Remote:
@@ -346,6 +358,7 @@ class Connection:
         self.clock = time.monotonic  # what deadlines count in (the session's: see cpu.py)
         self.deadline = time.monotonic() + 60
         self.request_id, self.depth = 0, 0
+        self.rng: torch.Tensor | None = None  # torch's random state as the worker has it now
         self.uid = _new_uid() if os.geteuid() == 0 else None
         self.cwd = tempfile.mkdtemp(prefix="qwen-mini-submission-", dir=SYSTEM_TMP)
         self.output = tempfile.TemporaryFile(dir=zygote.workdir)
@@ -374,6 +387,12 @@ class Connection:
         byvalue.py), or None where it cannot be pickled (it then crosses as a handle)."""
         if not byvalue.by_value(obj):
             return None
+        module = getattr(type(obj), "__module__", "") or ""
+        if module.startswith(CHECKS + "."):
+            raise TypeError(
+                f"a check hands a {type(obj).__name__} of {module} to the learner's code: the "
+                "sandbox sees no check module, so define its class in qwen_mini/course/fakes/"
+            )
         try:
             return {"t": "val", "v": byvalue.dumps(obj, self.codec, self.codec.is_remote)}
         except (pickle.PicklingError, TypeError, AttributeError, RecursionError):
@@ -442,6 +461,12 @@ class Connection:
                 self.codec.mirrors[i] = (h, tensor, tensor._version)
         if sync:
             out["sync"] = sync
+        if message["op"] in byvalue.STATE_OPS:  # the learner's code draws from the check's
+            # random stream (sent when it moved here since the worker last had it)
+            state = torch.get_rng_state()
+            if self.rng is None or not torch.equal(state, self.rng):
+                out["rng"] = protocol.rng_text(state)
+                self.rng = state
         self._send(out)
         while True:
             reply = self._next_message()
@@ -457,6 +482,9 @@ class Connection:
                         byvalue.apply_arguments(self.codec, reply["args"], self.codec.decode)
                     if "state" in reply:
                         byvalue.apply_state(self.codec, reply["state"], self.codec.decode)
+                if "rng" in reply:  # where the learner's code left the random stream
+                    self.rng = protocol.rng_state(reply["rng"])
+                    torch.set_rng_state(self.rng)
                 if "raise" in reply:
                     raise _learner_exception(reply["raise"])
                 if "re" not in reply:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import observing
+from ..checking import learner_line
 from .cpu import Clock
 from .plan import GraderError, Reference, Submission
 from .protocol import WrongType
@@ -305,6 +306,14 @@ class Session:
     def _run_checks(self, exercise: str, obj, hidden: bool = True) -> tuple[str, str]:
         """Every public, then every hidden check; the first failure decides. Hidden checks
         report their name (their category), never their inputs."""
+        try:
+            return self._each_check(exercise, obj, hidden)
+        finally:  # as after check() in the notebook: the learner's random stream as it was
+            if self.conn is not None and self.conn.rng is not None:
+                self.conn.request({"op": "restore_rng"})
+                self.conn.rng = None
+
+    def _each_check(self, exercise: str, obj, hidden: bool) -> tuple[str, str]:
         entry = self.entries[exercise]
         checks = [(n, f, False) for n, f in entry.public]
         if hidden:
@@ -326,9 +335,12 @@ class Session:
                 return "failed", f"{name} failed: {e}"
             except Exception as e:
                 what = f"your code raised {type(e).__name__}"
+                where = learner_line(e)  # the line of the learner's cell (none: the check's own)
                 if is_hidden:
-                    return "failed", f"a hidden check failed: {name} ({what})"
-                return "failed", f"{name} failed: {what}: {str(e)[:500]}"
+                    at = f" at {where}" if where else ""
+                    return "failed", f"a hidden check failed: {name} ({what}{at})"
+                at = f" ({where})" if where else ""
+                return "failed", f"{name} failed: {what}: {str(e)[:500]}{at}"
         return "passed", f"passed {len(checks)}/{len(checks)} checks"
 
     def _use(self, exercise: str, obj) -> bool:

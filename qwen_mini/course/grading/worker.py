@@ -35,6 +35,7 @@ import types
 from pathlib import Path
 
 from .. import observing
+from ..checking import learner_line
 from . import byvalue, isolation, protocol
 from .monitor import Monitor, Snapshot, changed
 from .protocol import Codec, Handle, ProtocolError
@@ -47,6 +48,7 @@ PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG = 36, 1
 KEPT_ENV = {"PATH", "LANG", "LANGUAGE", "TZ", "TERM", "MPLBACKEND", "MKL_NUM_THREADS"}
 _DROPPED = False  # this process runs as a user id of its own
 _FROM_FILES: list[str] = []  # the files references were loaded from (an extra chapter's checks)
+_PIECES: dict[str, object] = {}  # earlier chapters' references, by exercise id (the zygote's)
 
 
 # --- the worker ----------------------------------------------------------------------------------
@@ -123,10 +125,13 @@ class Worker:
         self.notes: list[str] = []
         self.checked: list[tuple[str, object]] = []
         self.cell, self.source = -1, ""
+        self.cells: dict[str, list[str]] = {}  # each cell's code by its file name, "<cell 5>"
         self.request_id = 0
         self.observers = dict(observing.OBSERVERS)  # as they were before any learner code
         self.observations: dict[int, object] = {}  # what the checks asked to observe now
         self.observing = False
+        self.learner_rng = None  # torch's random state before the checks shared theirs
+        self.rng_reported = None  # the shared state as the grader last knew it
 
     # the learner's check() and use(): grading happens in the grader
 
@@ -176,12 +181,20 @@ class Worker:
         except ProtocolError:
             raise
         except BaseException as e:  # the learner's exception, sent as a description
-            result = {"raise": {"type": _type_name(e), "msg": _text(e)}}
+            where = learner_line(e, self.cells.get)[:300]
+            result = {"raise": {"type": _type_name(e), "msg": _message(e), "where": where}}
         if message.get("op") in byvalue.STATE_OPS:
             try:  # what the learner's code did to the objects the check passed in
                 result.update(self.changes())
             except BaseException as e:
                 result = {"raise": {"type": _type_name(e), "msg": _text(e)}}
+        if self.learner_rng is not None and message.get("op") in byvalue.STATE_OPS:
+            import torch
+
+            state = torch.get_rng_state()  # where the learner's code left the check's stream
+            if not torch.equal(state, self.rng_reported):
+                result["rng"] = protocol.rng_text(state)
+                self.rng_reported = state
         protocol.send(self.sock, dict(result, id=message.get("id")))
 
     @contextlib.contextmanager
@@ -225,6 +238,16 @@ class Worker:
         for h, value in m.get("sync", []):
             with torch.no_grad():
                 lookup(h).copy_(decode(value))
+        if "rng" in m:  # the check's random stream, as in the notebook
+            if self.learner_rng is None:
+                self.learner_rng = torch.get_rng_state()
+            self.rng_reported = protocol.rng_state(m["rng"])
+            torch.set_rng_state(self.rng_reported)
+        if op == "restore_rng":
+            if self.learner_rng is not None:
+                torch.set_rng_state(self.learner_rng)
+            self.learner_rng = None
+            return None
         with torch.set_grad_enabled(m.get("grad", True) is True):
             if op == "cell":
                 return self.run_cell(m["i"], m["src"])
@@ -291,7 +314,9 @@ class Worker:
     # cells
 
     def exec_source(self, text: str, name: str) -> None:
-        code = compile(self.transform(text), name, "exec")
+        source = self.transform(text)
+        self.cells[name] = source.splitlines()  # the lines a message about an error quotes
+        code = compile(source, name, "exec")
         self.monitor.add_cell(code)
         exec(code, self.namespace)
 
@@ -320,6 +345,14 @@ def _text(e: BaseException, limit: int = 2000) -> str:
     except BaseException:
         text = "(an exception whose message could not be read)"
     return text[:limit]
+
+
+def _message(e: BaseException) -> str:
+    """What the grader rebuilds `e` from: its text; a KeyError's key itself (the grader's
+    KeyError(key) then reads as this one does: str() of a KeyError quotes its key)."""
+    if isinstance(e, KeyError) and len(e.args) == 1 and type(e.args[0]) is str:
+        return e.args[0][:2000]
+    return _text(e)
 
 
 def _exception(info) -> BaseException:
@@ -485,6 +518,7 @@ def _become(job: dict) -> None:
     keep = {k: v for k, v in os.environ.items() if k in KEPT_ENV or k.startswith(("LC_", "OMP_"))}
     os.environ.clear()  # nothing of the grader's environment (a sudo command line...)
     os.environ.update(keep, HOME=job["cwd"], TMPDIR=temporary, QWEN_MINI_CHECKS="learner")
+    os.environ["QWEN_MINI_MINE"] = "off"  # mine(...) is the package's piece, as for nbgrader
     tempfile.tempdir = None  # computed again from TMPDIR, not the zygote's cached choice
     sys.dont_write_bytecode = True
     if uid is not None:  # nothing importable from a folder it can write
@@ -513,6 +547,7 @@ def _worker_main(job: dict, sock: socket.socket, output: int, snapshot: Snapshot
     worker = Worker(sock, snapshot)
     course.check = checking.check = worker.check
     course.use = checking.use = worker.use
+    checking.reference = _reference_of({**_PIECES, **snapshot.references})
     worker.monitor.watch_threads()
     sys.addaudithook(worker.monitor.audit)
     try:
@@ -520,6 +555,19 @@ def _worker_main(job: dict, sock: socket.socket, output: int, snapshot: Snapshot
         worker.serve()
     except (EOFError, OSError, ProtocolError):
         pass
+
+
+def _reference_of(pieces: dict):
+    """`checking.reference` in the sandbox, where no check module can be imported: the
+    package's pieces the zygote located (this chapter's and the earlier chapters')."""
+    from qwen_mini.course.checking import UnknownExercise
+
+    def reference(exercise_id: str):
+        if exercise_id not in pieces:
+            raise UnknownExercise(f"unknown exercise {exercise_id!r} (when graded)")
+        return pieces[exercise_id]
+
+    return reference
 
 
 # --- the zygote ----------------------------------------------------------------------------------
@@ -548,6 +596,7 @@ def _references(spec: dict) -> tuple[list, set]:
     """(exercises with their references, earlier chapters' reference classes) of the grader's
     description of the chapter: what the worker needs, without a single check."""
     found = [types.SimpleNamespace(id=x, reference=_locate(w)) for x, w in spec["exercises"]]
+    _PIECES.update({x: _locate(w) for x, w in spec.get("pieces", [])})
     return found, {_locate(w) for w in spec["earlier"]}
 
 
