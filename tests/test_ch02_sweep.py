@@ -84,3 +84,20 @@ def test_the_stored_sweep_shows_the_effect():
         assert final(off) - final(on) > 0.1, (lr, final(on), final(off))
     for lr in lrs[-2:]:
         assert lowest_entropy(_stored(False, lr)) < 0.01, lr
+
+
+SEEDS = json.loads((ASSETS / "data" / "logit_growth_seeds.json").read_text())
+
+
+@pytest.mark.parametrize("qk_norm, lr, seed", [(True, 0.03, 1), (False, 0.001, 2)])
+def test_first_steps_match_the_stored_seed_runs(qk_norm, lr, seed):
+    """Chapter 2's three-seed table: the seed changes the initialisation and the batches, and the
+    stored runs are what these seeds give."""
+    settings = dict(SEEDS["settings"], steps=12, seed=seed)
+    _, rec = train_tiny(qk_norm, lr, **settings)
+    stored = next(
+        r for r in SEEDS["runs"] if (r["qk_norm"], r["lr"], r["seed"]) == (qk_norm, lr, seed)
+    )
+    torch.testing.assert_close(
+        torch.tensor(rec["loss"]), torch.tensor(stored["loss"][:12]), rtol=2e-4, atol=1e-4
+    )
