@@ -1638,7 +1638,9 @@ def _attention_formula(cfg, seed, x, pieces, dtype=torch.float32):
     return {"output, no cache": y, f"fed in pieces {list(pieces)} through a KVCache": y}
 
 
-def _attention_inputs(cfg, B=1, T=6, pieces=(4, 1, 1), dtype=torch.float32):
+def _layer_inputs(cfg, B=1, T=6, pieces=(4, 1, 1), dtype=torch.float32):
+    """(config, a weight seed, x [B, T, 16], how the prompt is fed in pieces, dtype) for a check
+    of a layer built from the learner's class (the attention here, the DeltaNet layer below)."""
     return lambda g: (
         cfg,
         int(torch.randint(1000, (), generator=g)),
@@ -1651,7 +1653,7 @@ def _attention_inputs(cfg, B=1, T=6, pieces=(4, 1, 1), dtype=torch.float32):
 case(
     GATT,
     "4 query heads, 2 KV heads of 8, RoPE on 4 of 8 dims: against torch's attention",
-    _attention_inputs(_qwen35_cfg(), B=2),
+    _layer_inputs(_qwen35_cfg(), B=2),
     _gated_attention,
     _attention_formula,
     atol=1e-5,
@@ -1661,7 +1663,7 @@ case(
 case(
     GATT,
     "prompt of 3, then 2 tokens, then 1 (a KVCache)",
-    _attention_inputs(_qwen35_cfg(), T=6, pieces=(3, 2, 1)),
+    _layer_inputs(_qwen35_cfg(), T=6, pieces=(3, 2, 1)),
     _gated_attention,
     atol=1e-5,
     rtol=1e-4,
@@ -1670,7 +1672,7 @@ case(
 case(
     GATT,
     "a bfloat16 layer: bfloat16 out",
-    _attention_inputs(_qwen35_cfg(), T=4, pieces=(2, 2), dtype=BF16),
+    _layer_inputs(_qwen35_cfg(), T=4, pieces=(2, 2), dtype=BF16),
     _gated_attention,
     atol=3e-2,
     rtol=3e-2,
@@ -1681,7 +1683,7 @@ case(
 def _attention_hidden(g):
     T = between(g, 3, 7)
     cfg = _qwen35_cfg(n_heads=6, n_kv=3, head_dim=16, factor=0.25)
-    return _attention_inputs(cfg, B=between(g, 1, 2), T=T, pieces=(T - 2, 1, 1))(g)
+    return _layer_inputs(cfg, B=between(g, 1, 2), T=T, pieces=(T - 2, 1, 1))(g)
 
 
 case(
@@ -1819,20 +1821,10 @@ def _deltanet_formula(cfg, seed, x, pieces, dtype=torch.float32):
     }
 
 
-def _deltanet_inputs(cfg, B=1, T=6, pieces=(3, 1, 2), dtype=torch.float32):
-    return lambda g: (
-        cfg,
-        int(torch.randint(1000, (), generator=g)),
-        randn(B, T, 16, g=g),
-        pieces,
-        dtype,
-    )
-
-
 case(
     LAYER,
     "2 key heads, 2 value heads, prompt of 3 then 1 token then 2: against a token-by-token loop",
-    _deltanet_inputs(_qwen35_cfg(), B=2),
+    _layer_inputs(_qwen35_cfg(), B=2, pieces=(3, 1, 2)),
     _deltanet,
     _deltanet_formula,
     atol=1e-5,
@@ -1842,7 +1834,7 @@ case(
 case(
     LAYER,
     "4 value heads share 2 key heads; pieces of 2, 1, 1, 3",
-    _deltanet_inputs(_qwen35_cfg(n_v=4, d_v=3), T=7, pieces=(2, 1, 1, 3)),
+    _layer_inputs(_qwen35_cfg(n_v=4, d_v=3), T=7, pieces=(2, 1, 1, 3)),
     _deltanet,
     atol=1e-5,
     rtol=1e-4,
@@ -1851,7 +1843,7 @@ case(
 case(
     LAYER,
     "a bfloat16 layer: bfloat16 out, the recurrent state in float32",
-    _deltanet_inputs(_qwen35_cfg(), T=4, pieces=(2, 1, 1), dtype=BF16),
+    _layer_inputs(_qwen35_cfg(), T=4, pieces=(2, 1, 1), dtype=BF16),
     _deltanet,
     atol=3e-2,
     rtol=3e-2,
@@ -1862,7 +1854,7 @@ case(
 def _deltanet_hidden(g):
     T = between(g, 66, 70)  # past one chunk of 64
     cfg = _qwen35_cfg(n_k=1, n_v=3, d_k=8, d_v=4)
-    return _deltanet_inputs(cfg, T=T, pieces=(T - 3, 1, 2))(g)
+    return _layer_inputs(cfg, T=T, pieces=(T - 3, 1, 2))(g)
 
 
 case(
