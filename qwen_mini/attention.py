@@ -175,8 +175,8 @@ class Attention(nn.Module):
 
 
 class QKVBiasAttention(Attention):
-    """Qwen2 / Qwen2.5 attention: chapter 1's layer with a bias on q_proj, k_proj and v_proj,
-    none on o_proj and no QK-Norm, whatever the row's flags say. Its forward is chapter 1's."""
+    """Qwen2 / Qwen2.5 attention: `Attention` with a bias on q_proj, k_proj and v_proj,
+    none on o_proj and no QK-Norm, whatever the row's flags say. Its forward is `Attention`'s."""
 
     def __init__(self, cfg: Config, layer_idx: int, arch):
         super().__init__(cfg, layer_idx, arch)

@@ -319,8 +319,10 @@ def modules_to_build(cfg: Config) -> int:
     """About how many modules the model `cfg` describes: its layers times the modules of one
     feed-forward of the largest kind, built once on meta (a row holding its experts fused, as
     Qwen3.5-397B-A17B's does, has a few per layer, not one per expert)."""
-    if cfg.num_experts > MAX_BUILD:  # not even one layer of them is worth building
-        return cfg.num_hidden_layers * cfg.num_experts
+    if cfg.num_hidden_layers * (1 + cfg.num_experts) <= MAX_BUILD:
+        return cfg.num_hidden_layers * (1 + cfg.num_experts)  # small enough either way
+    if 4 * cfg.num_experts > MAX_BUILD:  # not even one layer of them is worth building
+        return cfg.num_hidden_layers * (1 + cfg.num_experts)
     arch = architecture(cfg.model_type)
     layer = next((i for i in range(cfg.num_hidden_layers) if cfg.is_sparse_layer(i)), 0)
     with torch.device("meta"), without_init():
