@@ -39,6 +39,30 @@ TESTS = Path(__file__).resolve().parent
 # how it runs), written as a learner would, as notebook source defining the exercise's name.
 EXTRA = [
     (
+        "ch05.apply_partial_rope",
+        """def apply_partial_rope(x, cos, sin):
+    from qwen_mini.rope import apply_rope
+
+    r = cos.shape[-1]  # rotates the caller's tensor itself, then returns it
+    x[..., :r] = apply_rope(x[..., :r].clone(), cos, sin)
+    return x""",
+        "changed its input in place",
+    ),
+    (
+        "ch04.common_prefix_length",
+        """def common_prefix_length(a, b):
+    return sum(x == y for x, y in zip(a, b))  # equal positions, not the prefix""",
+        "the PREFIX ends at the first difference",
+    ),
+    (
+        "ch05.split_query_gate",
+        """def split_query_gate(q_proj_out, n_heads):
+    q, gate = q_proj_out.chunk(2, dim=-1)  # halves, not per head
+    B, T, _ = q.shape
+    return q.reshape(B, T, n_heads, -1), gate.reshape(B, T, n_heads, -1)""",
+        "interleaves per head",
+    ),
+    (
         "ch00.rms_norm",
         """class RMSNorm(nn.Module):
     def __init__(self, dim, eps=1e-6):
