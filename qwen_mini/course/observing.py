@@ -22,18 +22,23 @@ import tracemalloc
 import torch
 
 
-class SoftmaxDtypes(torch.overrides.TorchFunctionMode):
-    """Records the dtype each softmax computes in (its input's, or the dtype= it was asked for)."""
+class ComputeDtypes(torch.overrides.TorchFunctionMode):
+    """Records the dtype each call of the named torch functions computes in (its input's, or
+    the dtype= it was asked for): `softmax` for attention weights, `mean` / `rsqrt` / `sqrt`
+    for a norm's mean of squares and its root."""
 
-    def __init__(self):
+    def __init__(self, names: tuple[str, ...]):
         super().__init__()
-        self.value = []
+        self.names, self.value = names, []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if "softmax" in getattr(func, "__name__", ""):
+        name = getattr(func, "__name__", "")
+        if any(n == name or (n == "softmax" and n in name) for n in self.names):
             x = args[0] if args else kwargs.get("input")
-            wanted = kwargs.get("dtype", args[2] if len(args) > 2 else None)
+            wanted = kwargs.get(
+                "dtype", args[2] if name.endswith("softmax") and len(args) > 2 else None
+            )
             dtype = wanted if isinstance(wanted, torch.dtype) else getattr(x, "dtype", None)
             self.value.append(dtype)
         return func(*args, **kwargs)
@@ -87,7 +92,12 @@ class Overflows(torch.overrides.TorchFunctionMode):
             yield
 
 
-OBSERVERS = {"softmax_dtypes": SoftmaxDtypes, "peak_memory": PeakMemory, "overflows": Overflows}
+OBSERVERS = {
+    "softmax_dtypes": lambda: ComputeDtypes(("softmax",)),
+    "norm_dtypes": lambda: ComputeDtypes(("mean", "rsqrt", "sqrt")),
+    "peak_memory": PeakMemory,
+    "overflows": Overflows,
+}
 
 _sandbox = None  # while the grader runs checks: kind -> a context manager observing there
 

@@ -1351,11 +1351,23 @@ case(
     rtol=1e-4,
     seed=231,
 )
+
+
+def _zc_watched(ZeroCentredRMSNorm, D, weight, x, dtype):
+    with observe("norm_dtypes") as seen:  # made where the code runs (when graded: there)
+        out = _zc(ZeroCentredRMSNorm, D, weight, x, dtype)
+    computed = [d for d in seen.value if d is not None]
+    out["the mean of squares or its root computed in another dtype than float32"] = any(
+        d != torch.float32 for d in computed
+    )
+    return out
+
+
 case(
     ZC,
-    "bfloat16 in, bfloat16 out",
+    "bfloat16 in, bfloat16 out; the mean of squares and its root in float32",
     _zc_inputs(4, 16, dtype=BF16),
-    _zc,
+    _zc_watched,
     atol=0.05,
     rtol=0.02,
     seed=232,
@@ -1393,6 +1405,17 @@ class ZeroCentredEpsOutside(norms.ZeroCentredRMSNorm):
         xf = x.float()
         x_hat = xf / (xf.pow(2).mean(-1, keepdim=True).sqrt() + self.eps)
         return (x_hat * (1 + self.weight.float())).to(x.dtype)
+
+
+@mistake(
+    ZC,
+    "the norm was computed in the input's dtype: in bfloat16 the mean of squares and its root "
+    "keep 3 significant digits; compute x_hat in float32 (x.float()) and cast the result back",
+)
+class ZeroCentredInInputDtype(norms.ZeroCentredRMSNorm):
+    def forward(self, x):
+        x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x_hat * (1.0 + self.weight)
 
 
 @mistake(ZC, "the result must be cast back to x's dtype (bfloat16 in, bfloat16 out)")
