@@ -32,6 +32,7 @@ from .decoder import checkpoint_key, load_weights
 from .generation import check_generation_config
 from .model import CausalLM
 from .runtime import convert_for_runtime
+from .safetensors_file import read_safetensors_header
 from .validation import ConfigError, read_json_object
 
 SINGLE_FILE = "model.safetensors"
@@ -174,31 +175,30 @@ def _hint(name: str, cfg: Config, arch: Architecture) -> str:
 # Reading safetensors headers (shapes only, no tensor data)
 
 
-MAX_HEADER_BYTES = 100_000_000  # the limit safetensors itself enforces
 REDO = "Download or convert the file again."
 
 
 def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Tensor name -> (dtype, shape) from a safetensors file, checking that the file is whole.
 
-    A safetensors file is: 8 bytes (little-endian header length N), N bytes of JSON naming
-    every tensor with its dtype, shape and byte range, then the raw bytes. Everything the
-    safetensors library would refuse is refused here first, with the file and tensor named; a
-    download that stopped early leaves a file shorter than its header promises. Only the header
-    is read, never the tensor data.
+    The header is read by `read_safetensors_header`; everything the safetensors library would
+    refuse beyond that is refused here first, with the file and tensor named; a download that
+    stopped early leaves a file shorter than its header promises. Only the header is read,
+    never the tensor data.
     """
     size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: only {size} bytes, not a safetensors file. {REDO}")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(size - 8, MAX_HEADER_BYTES):
-            raise CheckpointError(
-                f"{path}: the header claims {n} bytes but the file holds {size}: the file is "
-                f"truncated or not a safetensors file. {REDO}"
-            )
-        header = _header_json(path, f.read(n))
+    try:
+        header = read_safetensors_header(path)
+    except struct.error:  # fewer than the 8 bytes of the length
+        raise CheckpointError(f"{path}: {size} bytes, not a safetensors file. {REDO}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:  # json refuses a byte-order mark
+        raise CheckpointError(f"{path}: the header is not valid JSON ({e}). {REDO}") from None
+    except ValueError as e:  # a length the file cannot hold
+        raise CheckpointError(str(e)) from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: the header is nested too deeply. {REDO}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the header is not a table of tensors. {REDO}")
     metadata = header.pop("__metadata__", None)
     if metadata is not None and not (
         isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
@@ -207,29 +207,14 @@ def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
             f"{path}: the header's __metadata__ must map names to strings only. {REDO}"
         )
     entries = {name: _header_entry(path, name, info) for name, info in header.items()}
-    _check_layout(path, entries, size - 8 - n)
+    _check_layout(path, entries, size - 8 - _header_length(path))
     return {name: (dtype, shape) for name, (dtype, shape, _) in entries.items()}
 
 
-def _header_json(path: Path, raw: bytes) -> dict:
-    """The header's JSON object: UTF-8 without a byte-order mark, as safetensors requires."""
-
-    def unique(pairs):
-        names = [k for k, _ in pairs]
-        if len(set(names)) < len(names):
-            twice = next(k for k in names if names.count(k) > 1)
-            raise CheckpointError(f"{path}: the header names tensor {twice!r} twice. {REDO}")
-        return dict(pairs)
-
-    try:  # json refuses a byte-order mark itself
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: the header is not valid JSON ({e}). {REDO}") from None
-    except RecursionError:
-        raise CheckpointError(f"{path}: the header is nested too deeply. {REDO}") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: the header is not a table of tensors. {REDO}")
-    return header
+def _header_length(path: Path) -> int:
+    """The header's length (the file's first 8 bytes), to find where the tensor data begins."""
+    with open(path, "rb") as f:
+        return struct.unpack("<Q", f.read(8))[0]
 
 
 def _header_entry(path: Path, name: str, info) -> tuple[str, tuple[int, ...], tuple[int, int]]:

@@ -521,11 +521,15 @@ def raw_header_cases(base: str, file: str) -> list[Case]:
 
         return edit
 
-    def duplicate(h, body, data):  # the first tensor's entry written twice
-        entries = [(k, v) for k, v in json.loads(h).items() if k != "__metadata__"]
-        text = ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in [entries[0], *entries])
-        text = ("{" + text + "}").encode()
-        return struct.pack("<Q", len(text)) + text + body
+    def duplicate(again):  # the first tensor's name again at the end, with `again`'s range
+        def make(h, body, data):
+            entries = [(k, v) for k, v in json.loads(h).items() if k != "__metadata__"]
+            first = (entries[0][0], dict(entries[0][1], data_offsets=again(entries)))
+            text = ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in [*entries, first])
+            text = ("{" + text + "}").encode()
+            return struct.pack("<Q", len(text)) + text + body
+
+        return make
 
     makes = {
         "bom": lambda h, body, d: struct.pack("<Q", len(h) + 3) + b"\xef\xbb\xbf" + h + body,
@@ -540,10 +544,13 @@ def raw_header_cases(base: str, file: str) -> list[Case]:
         "trailing-garbage": lambda h, body, d: struct.pack("<Q", len(h) + 3) + h + b"xyz" + body,
         "truncated": lambda h, body, d: d[:-100],
         "extra-bytes": lambda h, body, d: d + b"\0" * 16,
-        "duplicate-name": duplicate,
+        "duplicate-name-other-range": duplicate(lambda e: e[1][1]["data_offsets"]),
     }  # fmt: skip
     name = "model-" if file == "first shard" else SINGLE_FILE
-    return [Case(base, raw(make), [name], f"{base}-raw-{kind}") for kind, make in makes.items()]
+    cases = [Case(base, raw(make), [name], f"{base}-raw-{kind}") for kind, make in makes.items()]
+    # a name written twice with the same entry: safetensors (and so transformers) keeps the last
+    same = duplicate(lambda e: e[0][1]["data_offsets"])
+    return [*cases, Case(base, raw(same), None, f"{base}-raw-duplicate-name")]
 
 
 # --- tensors: dtypes, tied heads -------------------------------------------------------------

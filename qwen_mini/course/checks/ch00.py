@@ -70,8 +70,8 @@ HEADER = "ch00.read_safetensors_header"
 LENGTH = "the first 8 bytes are the header length, an unsigned 64-bit little-endian integer"
 
 
-def _file(data: bytes, size: int | None = None) -> Path:
-    path = Path(tempfile.mkdtemp(prefix="qwen_mini_ch00_")) / "check.safetensors"
+def _file(data: bytes, size: int | None = None, name: str = "check.safetensors") -> Path:
+    path = Path(tempfile.mkdtemp(prefix="qwen_mini_ch00_")) / name
     path.write_bytes(data)
     if size is not None:
         os.truncate(path, size)  # sparse: free to create
@@ -186,8 +186,52 @@ def _huge_header(g):  # about 300 kB (a real 0.6B header is about 40 kB): the le
     return (_file(_with_header(head, bytes(32 * layers * experts))),)
 
 
+TRUST = (
+    "a length the file cannot hold was trusted: compare it with the file's size "
+    "(os.path.getsize) before reading, and raise a ValueError that names the file"
+)
+
+
+def _refusal(read_safetensors_header, path):
+    """What the learner's reader does with a length the file cannot hold."""
+    try:
+        got = read_safetensors_header(path)
+    except (NotImplementedError, AssertionError):
+        raise
+    except Exception as e:
+        return {
+            # json's and the codecs' errors are ValueErrors too, but say nothing of the length
+            "raises a ValueError": isinstance(e, ValueError)
+            and not isinstance(e, json.JSONDecodeError | UnicodeError),
+            # its name: when graded, the learner's code sees the file at another path
+            "the message names the file": Path(path).name in str(e),
+        }
+    raise AssertionError(f"{TRUST}; your code returned {type(got).__name__} instead")
+
+
+SHARD = "model-00002-of-00004.safetensors"  # which file of a checkpoint is broken?
+
+
+def _cut_short(g):  # a download that stopped inside the header
+    data = _with_header(HAND, bytes(16))
+    return (_file(data[: between(g, 20, 40)], name=SHARD),)
+
+
+def _absurd_length(g):  # 8 bytes that were never a length: reading that many needs exabytes
+    return (_file(struct.pack("<Q", 2 ** between(g, 60, 63)) + b"{}" + bytes(16), name=SHARD),)
+
+
+case(HEADER, "a download that stopped inside the header (refuse it)", _cut_short, _refusal)
+case(HEADER, "a length of 2**60 bytes or more (refuse it)", _absurd_length, _refusal, hidden=True)
 case(HEADER, "a long, padded header followed by binary data", _long_header, _read, hidden=True)
 case(HEADER, "a 300 kB header (read the length from the file)", _huge_header, _read, hidden=True)
+
+
+@mistake(HEADER, TRUST)
+def header_trusts_length(path):
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n))
 
 
 @mistake(HEADER, LENGTH, name="header_big_endian")
@@ -233,7 +277,22 @@ def header_fixed_chunk(path):
     with open(path, "rb") as f:
         chunk = f.read(65536)  # "headers are small"
     (n,) = struct.unpack("<Q", chunk[:8])
+    if n > os.path.getsize(path) - 8:
+        raise ValueError(f"{path}: truncated")
     return json.loads(chunk[8 : 8 + n])
+
+
+@mistake(
+    HEADER,
+    "the error does not name the file: put the path in the ValueError's message (a checkpoint "
+    "has many shards; the learner must know which one to download again)",
+)
+def header_refusal_unnamed(path):
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > os.path.getsize(path) - 8:
+            raise ValueError("the header is longer than the file")
+        return json.loads(f.read(n))
 
 
 # --- RMSNorm ------------------------------------------------------------------------------------

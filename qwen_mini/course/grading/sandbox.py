@@ -486,12 +486,14 @@ class Connection:
                     self.rng = protocol.rng_state(reply["rng"])
                     torch.set_rng_state(self.rng)
                 if "raise" in reply:
-                    raise _learner_exception(reply["raise"])
-                if "re" not in reply:
+                    raised = _learner_exception(reply["raise"])
+                elif "re" not in reply:
                     raise BadMessage("an answer without a value")
-                return self.codec.decode(reply["re"])
-            except (ProtocolError, ValueError) as e:
+                else:
+                    return self.codec.decode(reply["re"])
+            except (ProtocolError, ValueError) as e:  # a malformed answer, not a learner's error
                 raise BadMessage(str(e)) from None
+            raise raised  # outside the try: a learner's ValueError is theirs, not the channel's
 
     def _serve(self, m: dict) -> None:
         """A request of the worker: the learner's code uses an object of the grader's, or
