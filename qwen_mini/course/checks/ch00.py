@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from qwen_mini import mlp, norms, rope, safetensors_file
-from qwen_mini.architectures import config_from_dict
+from qwen_mini.architectures import architecture, config_from_dict
 from qwen_mini.config import ASSETS, Config
 from qwen_mini.course.checking import between, case, mistake, named, randn, register
 from qwen_mini.course.lab import ch00 as lab
@@ -961,12 +961,13 @@ def _counts(config, *, qkv_bias=True, qk_norm=True, o_bias=True, head_dim_key=Tr
     n_kv = config.get("num_key_value_heads", n_q) if gqa else n_q
     d = (config.get("head_dim") or h // n_q) if head_dim_key else h // n_q
     per_layer = 2 * h * n_q * d + 2 * h * n_kv * d + 3 * h * inter + norms * h
-    if config["model_type"] == "qwen2":
-        per_layer += (n_q * d + 2 * n_kv * d) if qkv_bias else 0
-    else:
-        per_layer += 2 * d if qk_norm else 0
-        if attention_bias and config.get("attention_bias", False):
-            per_layer += n_q * d + 2 * n_kv * d + (h if o_bias else 0)
+    row = architecture(config["model_type"])
+    has_qkv, has_o = row.attention_biases(config_from_dict(config))
+    from_flag = not row.qkv_bias  # attention_bias decides (Qwen3), not the row (Qwen2)
+    if has_qkv and (attention_bias if from_flag else qkv_bias):
+        per_layer += n_q * d + 2 * n_kv * d
+    per_layer += h if has_o and o_bias and attention_bias else 0
+    per_layer += 2 * d if row.qk_norm and qk_norm else 0
     c = {"embed_tokens": vocab * h, "per_layer": per_layer, "norm": h if final else 0}
     c["layers"] = per_layer * config["num_hidden_layers"]
     c["lm_head"] = vocab * h

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qwen_mini.architectures import architecture, config_from_dict
+
 
 def count_params(config: dict) -> dict:
     """Parameters of a dense Qwen2 / Qwen3 model, part by part, from its config.json as a dict.
@@ -21,13 +23,11 @@ def count_params(config: dict) -> dict:
     d = config.get("head_dim") or h // n_q
     q_out, kv_out = n_q * d, n_kv * d
 
+    row = architecture(config["model_type"])  # the table knows which blocks a model has
+    qkv_bias, o_bias = row.attention_biases(config_from_dict(config))
     attention = h * q_out + 2 * h * kv_out + q_out * h  # q, k, v, o
-    if config["model_type"] == "qwen2":
-        attention += q_out + 2 * kv_out  # Qwen2: biases on q, k, v
-    else:
-        attention += 2 * d  # Qwen3: QK-Norm, one RMSNorm weight per head_dim for q and for k
-        if config.get("attention_bias", False):
-            attention += q_out + 2 * kv_out + h  # biases on q, k, v and o
+    attention += (q_out + 2 * kv_out) * qkv_bias + h * o_bias  # their biases, where they exist
+    attention += 2 * d * row.qk_norm  # QK-Norm: one RMSNorm weight per head_dim for q and k
     per_layer = attention + 3 * h * inter + 2 * h  # + SwiGLU + two RMSNorms
 
     counts = {
