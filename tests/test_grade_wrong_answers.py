@@ -39,6 +39,18 @@ TESTS = Path(__file__).resolve().parent
 # how it runs), written as a learner would, as notebook source defining the exercise's name.
 EXTRA = [
     (
+        "ch03.load_balancing_loss",
+        """def load_balancing_loss(router_logits, k):
+    E = router_logits[0].shape[-1]
+    counts, probs, n = torch.zeros(E), torch.zeros(E), 0
+    for x in router_logits:
+        p = torch.softmax(x, -1, dtype=torch.float32)
+        counts += torch.bincount(p.topk(k, -1).indices.reshape(-1), minlength=E)
+        probs, n = probs + p.sum(0), n + x.shape[0]
+    return torch.tensor(E * ((counts / n) * (probs / n)).sum().item())  # a float made a tensor""",
+        "no gradient reaches the router logits",
+    ),
+    (
         "ch05.apply_partial_rope",
         """def apply_partial_rope(x, cos, sin):
     from qwen_mini.rope import apply_rope

@@ -2,9 +2,10 @@
 
 Most checks look at what the learner's code returns. A few look at how it runs: the memory it
 allocates (`read_safetensors_header` reads the header, not the file), the dtype each softmax
-computes in. In the notebook that is a context manager around the call. When graded, the checks
-run in the grader and the learner's code in a sandbox: an observation made in the grader would
-see the grader, not the code. So a check asks for one by name::
+computes in, the gradients a loss passes back (`gradients`). In the notebook that is a context
+manager around the call. When graded, the checks run in the grader and the learner's code in a
+sandbox: an observation made in the grader would see the grader, not the code. So a check asks
+for one by name::
 
     with observe("softmax_dtypes") as seen:
         w = attention_weights(q, k, mask)
@@ -100,6 +101,8 @@ OBSERVERS = {
 }
 
 _sandbox = None  # while the grader runs checks: kind -> a context manager observing there
+_remote_gradients = None  # ... and (fn, args) -> fn's result and gradients, computed there
+_grad = torch.autograd.grad  # as it was before any learner code ran
 
 
 def new(kind: str):
@@ -120,16 +123,64 @@ def observe(kind: str):
         yield seen
 
 
+def gradients(fn, *args):
+    """(fn(*args), the gradient of the sum of its tensors with respect to each floating-point
+    tensor in `args`, in order, lists and tuples included; None for one the result does not
+    depend on).
+
+    How a check sees that a loss can be trained through. Made where the code runs: when
+    graded, tensors cross to the grader without their autograd graphs, so the backward pass
+    runs in the sandbox."""
+    if _remote_gradients is not None:
+        return _remote_gradients(fn, args)
+    return gradients_here(fn, args)
+
+
+def gradients_here(fn, args: tuple):
+    leaves: list[torch.Tensor] = []
+
+    def leaf(value):  # a fresh leaf per tensor: the gradient of this call alone
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            leaves.append(value.detach().clone().requires_grad_())
+            return leaves[-1]
+        if isinstance(value, list | tuple):
+            return type(value)(leaf(v) for v in value)
+        return value
+
+    def tracked(value) -> list[torch.Tensor]:  # the result's tensors that carry a graph
+        if isinstance(value, torch.Tensor):
+            return [value] if value.requires_grad else []
+        if isinstance(value, list | tuple):
+            return [t for v in value for t in tracked(v)]
+        return []
+
+    def plain(value):
+        if isinstance(value, torch.Tensor):
+            return value.detach()
+        return type(value)(plain(v) for v in value) if isinstance(value, list | tuple) else value
+
+    with torch.enable_grad():
+        out = fn(*[leaf(a) for a in args])
+        outputs = tracked(out)
+        if outputs:
+            total = sum(t.float().sum() for t in outputs)
+            grads = list(_grad(total, leaves, allow_unused=True))
+        else:
+            grads = [None] * len(leaves)
+    return plain(out), grads
+
+
 @contextlib.contextmanager
 def here():
     """Observations made in this process: around the grader's own code (the reference, a
     catalogued mistake), which runs here even while the learner's runs in the sandbox."""
-    global _sandbox
-    previous, _sandbox = _sandbox, None
+    global _sandbox, _remote_gradients
+    previous = _sandbox, _remote_gradients
+    _sandbox = _remote_gradients = None
     try:
         yield
     finally:
-        _sandbox = previous
+        _sandbox, _remote_gradients = previous
 
 
 class _Seen:
@@ -140,7 +191,10 @@ class _Seen:
 def sandboxed(request):
     """The grader's side: while this runs, `observe` has the sandbox make its observations
     (`request` sends one of the worker's operations and returns its answer)."""
-    global _sandbox
+    global _sandbox, _remote_gradients
+
+    def remote_gradients(fn, args):  # fn: the grader's stand-in for the learner's object
+        return request({"op": "grad", "h": fn._h, "args": list(args)})
 
     @contextlib.contextmanager
     def remote(kind: str):
@@ -152,8 +206,9 @@ def sandboxed(request):
         finally:
             seen.value = request({"op": "unobserve", "i": i})
 
-    previous, _sandbox = _sandbox, remote
+    previous = _sandbox, _remote_gradients
+    _sandbox, _remote_gradients = remote, remote_gradients
     try:
         yield
     finally:
-        _sandbox = previous
+        _sandbox, _remote_gradients = previous

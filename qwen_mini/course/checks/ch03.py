@@ -18,6 +18,7 @@ from qwen_mini import moe as ref
 from qwen_mini.course.checking import between, case, mistake, named, randn, register
 from qwen_mini.course.fakes.ch03 import CountedFused, CountedMLP, CountingExpert
 from qwen_mini.course.lab import ch03 as lab
+from qwen_mini.course.observing import gradients
 from qwen_mini.mlp import MLP
 
 register("ch03.route", reference=ref.route, points=2, title="Router: softmax, top-k, renormalise")
@@ -548,6 +549,37 @@ case(
     rtol=1e-5,
     seed=53,
 )
+
+
+def _statistics_gradient(routing_statistics, logits, k):
+    (counts, prob_sums, n), (grad,) = gradients(routing_statistics, logits, k)
+    return {"prob_sums": prob_sums, GRADIENT: grad}
+
+
+GRADIENT = "the gradient of the result with respect to the router logits (what trains the router)"
+DETACHED = (
+    "no gradient reaches the router logits (.detach(), .item(), .tolist() or torch.tensor(...) "
+    "of a computed value cut the graph): compute the probabilities from the logits themselves, "
+    "so that a loss built on them trains the router"
+)
+case(
+    "ch03.routing_statistics",
+    "the probability sums carry the gradient back to the logits (the loss trains through them)",
+    lambda g: (randn(10, 6, g=g) * 2, 2),
+    _statistics_gradient,
+    atol=1e-5,
+    rtol=1e-5,
+    seed=54,
+)
+case(
+    "ch03.routing_statistics",
+    "other sizes, with the gradient",
+    lambda g: (randn(between(g, 2, 20), between(g, 3, 16), g=g) * 2, between(g, 1, 3)),
+    _statistics_gradient,
+    atol=1e-5,
+    rtol=1e-5,
+    hidden=True,
+)
 case(
     "ch03.routing_statistics",
     "other sizes",
@@ -577,6 +609,11 @@ def stats_probs_of_the_top_k_only(logits, k):
     counts = torch.bincount(idx.reshape(-1), minlength=logits.shape[-1]).float()
     prob_sums = torch.zeros(logits.shape[-1]).index_add_(0, idx.reshape(-1), weights.reshape(-1))
     return counts, prob_sums, logits.shape[0]
+
+
+@mistake("ch03.routing_statistics", DETACHED)
+def stats_detached(logits, k):
+    return lab.routing_statistics(logits.detach(), k)
 
 
 @mistake(
@@ -667,6 +704,31 @@ case(
     rtol=1e-5,
     seed=62,
 )
+
+
+def _loss_gradient(loss_fn, router_logits, k):
+    loss, grads = gradients(loss_fn, router_logits, k)
+    return {"the loss": loss, GRADIENT: grads}
+
+
+case(
+    "ch03.load_balancing_loss",
+    "the router trains through it: the gradient with respect to every layer's logits",
+    _layers(2, 12, 6, 2),
+    _loss_gradient,
+    atol=1e-6,
+    rtol=1e-5,
+    seed=63,
+)
+case(
+    "ch03.load_balancing_loss",
+    "other layers, with the gradient",
+    _layers_hidden,
+    _loss_gradient,
+    atol=1e-6,
+    rtol=1e-5,
+    hidden=True,
+)
 for n in range(2):
     case(
         "ch03.load_balancing_loss",
@@ -700,6 +762,11 @@ def loss_without_factor_e(router_logits, k):
 )
 def loss_mean_of_layers(router_logits, k):
     return torch.stack([lab.load_balancing_loss([x], k) for x in router_logits]).mean()
+
+
+@mistake("ch03.load_balancing_loss", DETACHED)
+def loss_from_detached_logits(router_logits, k):
+    return lab.load_balancing_loss([x.detach() for x in router_logits], k)
 
 
 @mistake("ch03.load_balancing_loss", "k is hard-coded: use the k given")
@@ -766,6 +833,29 @@ case(
     rtol=1e-5,
     hidden=True,
 )
+case(
+    "ch03.global_load_balancing_loss",
+    "the router trains through it: the gradient with respect to every micro-batch's logits",
+    _domains([3, 5], 6, 2, 2),
+    _loss_gradient,
+    atol=1e-6,
+    rtol=1e-5,
+    seed=82,
+)
+case(
+    "ch03.global_load_balancing_loss",
+    "unequal micro-batches, with the gradient",
+    _domains_hidden,
+    _loss_gradient,
+    atol=1e-6,
+    rtol=1e-5,
+    hidden=True,
+)
+
+
+@mistake("ch03.global_load_balancing_loss", DETACHED)
+def global_from_detached_logits(micro_batches, k):
+    return lab.global_load_balancing_loss([[x.detach() for x in m] for m in micro_batches], k)
 
 
 @mistake(

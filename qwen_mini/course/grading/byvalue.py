@@ -51,7 +51,7 @@ import torch
 
 from ..checking import from_checks as _from_checks
 
-STATE_OPS = ("call", "getattr", "setattr", "getitem", "setitem", "len", "iter", "next")
+STATE_OPS = ("call", "grad", "getattr", "setattr", "getitem", "setitem", "len", "iter", "next")
 
 
 def _ours(obj) -> bool:

@@ -128,6 +128,7 @@ class Worker:
         self.cells: dict[str, list[str]] = {}  # each cell's code by its file name, "<cell 5>"
         self.request_id = 0
         self.observers = dict(observing.OBSERVERS)  # as they were before any learner code
+        self.gradients = observing.gradients_here
         self.observations: dict[int, object] = {}  # what the checks asked to observe now
         self.observing = False
         self.learner_rng = None  # torch's random state before the checks shared theirs
@@ -287,6 +288,8 @@ class Worker:
             target = lookup(m["h"])
             if op == "call":
                 return target(*decode(m["args"]), **decode(m["kwargs"]))
+            if op == "grad":  # the call and its backward pass (observing.gradients)
+                return self.gradients(target, tuple(decode(m["args"])))
             if op == "getattr":
                 return getattr(target, m["name"])
             if op == "setattr":
