@@ -39,6 +39,19 @@ TESTS = Path(__file__).resolve().parent
 # how it runs), written as a learner would, as notebook source defining the exercise's name.
 EXTRA = [
     (
+        "ch05.GatedRMSNorm",
+        """class GatedRMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x, z):
+        mean_square = (x * x).sum(-1, keepdim=True) / x.shape[-1]  # in x's dtype
+        x_hat = x * torch.rsqrt(mean_square + self.eps)
+        return x_hat * self.weight * F.silu(z)""",
+        "computed in the input's dtype",
+    ),
+    (
         "ch03.load_balancing_loss",
         """def load_balancing_loss(router_logits, k):
     E = router_logits[0].shape[-1]

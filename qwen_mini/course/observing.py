@@ -25,8 +25,8 @@ import torch
 
 class ComputeDtypes(torch.overrides.TorchFunctionMode):
     """Records the dtype each call of the named torch functions computes in (its input's, or
-    the dtype= it was asked for): `softmax` for attention weights, `mean` / `rsqrt` / `sqrt`
-    for a norm's mean of squares and its root."""
+    the dtype= it was asked for): `softmax` for attention weights, `pow`, `mean`, `rsqrt` and
+    their variants for a norm's squares, their mean and its root."""
 
     def __init__(self, names: tuple[str, ...]):
         super().__init__()
@@ -95,7 +95,10 @@ class Overflows(torch.overrides.TorchFunctionMode):
 
 OBSERVERS = {
     "softmax_dtypes": lambda: ComputeDtypes(("softmax",)),
-    "norm_dtypes": lambda: ComputeDtypes(("mean", "rsqrt", "sqrt")),
+    # the square, the mean (or sum) of squares and the root, however they are spelled
+    "norm_dtypes": lambda: ComputeDtypes(
+        ("pow", "__pow__", "square", "mean", "sum", "rsqrt", "sqrt", "norm", "vector_norm")
+    ),
     "peak_memory": PeakMemory,
     "overflows": Overflows,
 }

@@ -763,11 +763,25 @@ case(
     rtol=1e-4,
     hidden=True,
 )
+IN_INPUT_DTYPE = (
+    "the norm was computed in the input's dtype: in bfloat16 the mean of squares and its root "
+    "keep 3 significant digits; compute x_hat in float32 (x.float()) and cast the result back"
+)
+NOT_FLOAT32 = "the mean of squares or its root computed in another dtype than float32"
+
+
+def _normed_watched(GatedRMSNorm, D, weight, x, z, dtype):
+    with observe("norm_dtypes") as seen:  # made where the code runs (when graded: there)
+        out = _normed(GatedRMSNorm, D, weight, x, z, dtype)
+    out[NOT_FLOAT32] = any(d != torch.float32 for d in seen.value if d is not None)
+    return out
+
+
 case(
     NORM,
-    "bfloat16: the dtype follows x",
+    "bfloat16 in, bfloat16 out; the mean of squares and its root in float32",
     _norm_inputs(4, 16, dtype=torch.bfloat16),
-    _normed,
+    _normed_watched,
     atol=0.1,
     rtol=0.02,
     seed=111,
@@ -816,6 +830,13 @@ class NormEpsOutside(norms.GatedRMSNorm):
         xf = x.float()
         x_hat = xf / (xf.pow(2).mean(-1, keepdim=True).sqrt() + self.eps)
         return (x_hat * self.weight * F.silu(z.float())).to(x.dtype)
+
+
+@mistake(NORM, IN_INPUT_DTYPE)
+class NormInInputDtype(norms.GatedRMSNorm):
+    def forward(self, x, z):
+        x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x_hat * self.weight * F.silu(z)
 
 
 @mistake(NORM, "the result must be cast back to x's dtype (bfloat16 in, bfloat16 out)")
@@ -1357,9 +1378,7 @@ def _zc_watched(ZeroCentredRMSNorm, D, weight, x, dtype):
     with observe("norm_dtypes") as seen:  # made where the code runs (when graded: there)
         out = _zc(ZeroCentredRMSNorm, D, weight, x, dtype)
     computed = [d for d in seen.value if d is not None]
-    out["the mean of squares or its root computed in another dtype than float32"] = any(
-        d != torch.float32 for d in computed
-    )
+    out[NOT_FLOAT32] = any(d != torch.float32 for d in computed)
     return out
 
 
@@ -1407,11 +1426,7 @@ class ZeroCentredEpsOutside(norms.ZeroCentredRMSNorm):
         return (x_hat * (1 + self.weight.float())).to(x.dtype)
 
 
-@mistake(
-    ZC,
-    "the norm was computed in the input's dtype: in bfloat16 the mean of squares and its root "
-    "keep 3 significant digits; compute x_hat in float32 (x.float()) and cast the result back",
-)
+@mistake(ZC, IN_INPUT_DTYPE)
 class ZeroCentredInInputDtype(norms.ZeroCentredRMSNorm):
     def forward(self, x):
         x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
