@@ -35,15 +35,6 @@ def _mixed(folder: Path, chapter: int, stub_cell: str) -> Path:
     return path
 
 
-def _cheat(folder: Path, chapter: int, cell: str, source: str) -> Path:
-    """The fresh learner copy with one exercise answered by the package's own code."""
-    nb = nbs.load(ROOT / "course" / CHAPTERS[chapter])
-    nb["cells"] = [dict(c, source=source) if c["id"] == cell else c for c in nb["cells"]]
-    path = folder / "cheat.ipynb"
-    path.write_text(json.dumps(nb))
-    return path
-
-
 # a first cell that looks for the chapter's check module (its hidden cases and their generators),
 # to replay them: in the sandbox's view it is neither importable nor there to read
 LOOKS_FOR_CHECKS = """import importlib, os, qwen_mini
@@ -58,12 +49,15 @@ print("PROBE listed", sorted(os.listdir(_folder)) if os.path.isdir(_folder) else
 ISOLATED = os.geteuid() == 0 and sys.platform == "linux"  # the sandbox's view of its own
 
 
-def _looks_for_checks(folder: Path, chapter: int) -> Path:
+def _cheat(folder: Path, chapter: int, cell: str, source: str) -> Path:
+    """The fresh learner copy with one exercise answered by the package's own code, and a first
+    cell that looks for the checks (one notebook for both: each costs a whole chapter's run)."""
     nb = nbs.load(ROOT / "course" / CHAPTERS[chapter])
     probe = dict(nb["cells"][0], cell_type="code", id="probe", outputs=[], execution_count=None)
     probe["metadata"], probe["source"] = {}, LOOKS_FOR_CHECKS.format(chapter=f"ch{chapter:02d}")
-    nb["cells"] = [probe, *nb["cells"]]
-    path = folder / "looks.ipynb"
+    cells = [dict(c, source=source) if c["id"] == cell else c for c in nb["cells"]]
+    nb["cells"] = [probe, *cells]
+    path = folder / "cheat.ipynb"
     path.write_text(json.dumps(nb))
     return path
 
@@ -145,8 +139,7 @@ def test_real_chapter_grades(tmp_path, chapter):
     mixed = [_mixed(tmp_path, chapter, stub_cell) for stub_cell, _, _ in STUBS[chapter]]
     cell, cheated, source = CHEATS[chapter]
     cheat = _cheat(tmp_path, chapter, cell, source)
-    looks = _looks_for_checks(tmp_path, chapter)
-    files = [ROOT / "solutions" / name, ROOT / "course" / name, *mixed, cheat, looks]
+    files = [ROOT / "solutions" / name, ROOT / "course" / name, *mixed, cheat]
     rows = _grade(tmp_path, chapter, files)
     stem = Path(name).stem
     solved, learner = rows[f"solutions/{stem}"], rows[f"course/{stem}"]
@@ -161,13 +154,12 @@ def test_real_chapter_grades(tmp_path, chapter):
         assert float(partial[stubbed]) == 0 and partial[f"{stubbed} status"] == "not attempted"
         assert float(partial[dependent]) == float(solved[dependent]) > 0
         assert float(partial["total"]) == full - float(solved[stubbed])
-    # a blank notebook answering an exercise with the package's own code earns nothing
+    # a blank notebook answering an exercise with the package's own code earns nothing ...
     cheated_row = rows[f"{tmp_path.name}/cheat"]
     assert cheated_row[f"{cheated} status"] == "reference" and float(cheated_row["total"]) == 0
-    # a blank notebook that looks for the checks finds nothing, and earns nothing
-    assert float(rows[f"{tmp_path.name}/looks"]["total"]) == 0
+    # ... and its first cell, which looks for the checks, finds nothing
     if ISOLATED:
-        output = json.loads((tmp_path / "reports" / "looks.json").read_text())["process_output"]
+        output = json.loads((tmp_path / "reports" / "cheat.json").read_text())["process_output"]
         probed = [line for line in output.splitlines() if line.startswith("PROBE")]
         assert probed == ["PROBE not imported: ModuleNotFoundError", "PROBE listed []"], output
 
