@@ -204,10 +204,13 @@ def test_cached_decode_matches_full_forward(pair):
     pieces = [ids[:, :6]] + [ids[:, i : i + 1] for i in range(6, 10)] + [ids[:, 10:]]
     got = torch.cat([ours(p, cache=cache) for p in pieces], dim=1)
     assert cache.length == 15
-    # float32 rounding grows with the logits' size: TOL holds up to |logits| 4 and scales with
-    # them beyond (a qwen3_5_moe_text case reaches 5.9, where transformers' own cached pass
-    # differs from its full one by 4.5e-5 and ours from its full one by 1.07e-4)
-    assert max_diff(got, expected) <= TOL * max(1.0, expected.abs().max().item() / 4)
+    # float32 rounding grows with the logits' size, and two orders of summation are compared
+    # (ours in pieces against transformers' whole): 2 * TOL up to |logits| 4, scaled beyond. On
+    # an Intel Xeon, qwen3_next-e8k2 (|logits| 6.1) differs by 1.55e-4 at one position, where
+    # transformers' own cached pass differs from its full one by 1.04e-4 and ours whole from its
+    # whole by 1.02e-4. Wrong caches are far away: there, the conv state zeroed between pieces
+    # moves the logits by 8.9, the recurrent state scaled by 0.999 by 5e-2
+    assert max_diff(got, expected) <= 2 * TOL * max(1.0, expected.abs().max().item() / 4)
 
 
 @torch.inference_mode()
