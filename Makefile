@@ -33,7 +33,8 @@ lab: $(VENV)/.course
 	$(BIN)/jupyter lab --notebook-dir=course $(ROOT_FLAG) $(LAB_ARGS)
 
 # Two test processes (pytest-xdist), one per core of the 2-core machines the course is tested on;
-# the grader's tests stay in one of them (tests/conftest.py), a notebook's cells in one kernel.
+# a test file marked with an xdist_group (its module fixtures grade a corpus once) stays in one
+# of them, a notebook's cells in one kernel.
 # PARALLEL=-n0 runs everything in one process.
 PARALLEL ?= -n 2
 

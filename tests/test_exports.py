@@ -27,6 +27,10 @@ from qwen_mini.course import checking
 from qwen_mini.course import notebooks as nbs
 from qwen_mini.course.grading import main as grade
 
+# `pytest -n 2 --dist loadgroup` (the Makefile) runs this file in one worker: its module
+# fixtures (the nbgrader and Gradescope runs) are made once
+pytestmark = pytest.mark.xdist_group("test_exports")
+
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTER, ASSIGNMENT = 0, "ch00_foundations"
 NOTEBOOK = f"{ASSIGNMENT}.ipynb"

@@ -38,6 +38,10 @@ from qwen_mini.course.grading import cli as grade
 from qwen_mini.course.grading import isolation, sandbox
 from qwen_mini.course.grading.sandbox import PROCESS_OUTPUT_CAP
 
+# `pytest -n 2 --dist loadgroup` (the Makefile) runs this file in one worker: its module
+# fixtures grade the whole corpus once
+pytestmark = pytest.mark.xdist_group("test_grade")
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).parent / "fixtures"
 SOLUTION = FIXTURES / "solutions" / "ch98_grading.ipynb"
