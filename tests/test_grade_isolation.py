@@ -2,6 +2,7 @@
 red-team corpus of tests/test_grade.py checks it end to end through `qwen-mini grade`."""
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -111,3 +112,22 @@ def test_what_a_check_hands_to_the_learners_code_is_never_of_a_check_module():
         sandbox.Connection._by_value(None, spy)
     fake = type("Spy", (), {"__module__": "qwen_mini.course.fakes.ch77"})()
     assert sandbox.byvalue.by_value(fake)
+
+
+def test_printing_past_the_file_size_limit_is_dropped_not_an_error(tmp_path):
+    # a fast machine reaches the worker's file size limit before the time limit: the learner's
+    # print must not start raising there (s2_prints_forever in test_grade.py must time out)
+    probe = f"""
+import os, resource, signal, sys
+from qwen_mini.course.grading import worker
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+os.dup2(os.open({str(tmp_path / "out")!r}, os.O_WRONLY | os.O_CREAT), 1)
+out = worker._output(1)
+for _ in range(500):
+    print("still working...", file=out, flush=True)
+os.write(2, b"went on")
+"""
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, cwd=ROOT)
+    assert done.returncode == 0 and done.stderr == b"went on", done.stderr.decode()[-2000:]
+    assert (tmp_path / "out").read_bytes() == (b"still working...\n" * 60)[:1000]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import ctypes
+import errno
 import importlib
 import importlib.util
 import io
@@ -527,12 +528,36 @@ def _become(job: dict) -> None:
     if uid is not None:  # nothing importable from a folder it can write
         sys.path[:] = [p for p in sys.path if not os.access(p, os.W_OK)]
         sys.path_importer_cache.clear()
-    sys.stdout = io.TextIOWrapper(
-        io.FileIO(1, "w", closefd=False), errors="backslashreplace", line_buffering=True
-    )
-    sys.stderr = io.TextIOWrapper(
-        io.FileIO(2, "w", closefd=False), errors="backslashreplace", line_buffering=True
-    )
+    sys.stdout = _output(1)
+    sys.stderr = _output(2)
+
+
+class _Output(io.RawIOBase):
+    """File descriptor 1 or 2 for `print`: a write past FILE_SIZE_LIMIT is dropped, not an
+    error in the learner's cell (the report keeps the first bytes only), so a notebook that
+    prints forever runs into its time limit however fast the machine writes."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def write(self, data) -> int:
+        try:
+            return os.write(self.fd, data)
+        except OSError as e:
+            if e.errno != errno.EFBIG:
+                raise
+            return len(data)
+
+
+def _output(fd: int) -> io.TextIOWrapper:
+    buffered = io.BufferedWriter(_Output(fd))
+    return io.TextIOWrapper(buffered, errors="backslashreplace", line_buffering=True)
 
 
 def _group_name(pid: int, job: dict) -> str:
