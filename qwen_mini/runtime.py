@@ -14,12 +14,13 @@ from torch import nn
 def linear_all_threads(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T + bias, as F.linear, with every CPU thread in float32.
 
-    In float32 on CPU, torch hands a product with one row (a decoding step) to a BLAS
-    matrix-vector call that runs on one core: on a 2-core machine the weights stream at half
-    the speed the memory allows. Splitting the weight's rows into one block per thread and
-    multiplying the blocks as a batch lets torch run them side by side: up to 2x faster for one
-    row, equal to F.linear up to float32 summation order (bench/README.md). bfloat16 already
-    uses every thread.
+    In float32 on some CPUs (measured: a 2-core AMD EPYC), torch hands a product with one row
+    (a decoding step) to a BLAS matrix-vector call that runs on one core, so the weights stream
+    at half the speed the memory allows. Splitting the weight's rows into one block per thread
+    and multiplying the blocks as a batch lets torch run them side by side: up to 2x faster for
+    one row there, equal to F.linear up to float32 summation order. On an Intel Xeon, where the
+    call already uses every core, it is 5-12 % slower (bench/README.md). bfloat16 already uses
+    every thread.
     """
     n = torch.get_num_threads()
     worth_it = x.device.type == "cpu" and x.dtype == torch.float32 and n > 1
