@@ -25,6 +25,7 @@ from .plan import GraderError, Reference, Submission
 from .protocol import WrongType
 from .report import Grades
 from .sandbox import BadMessage, Connection, Remote, WorkerFault, WorkerGone, WorkerTimeout, Zygote
+from .worker import FILE_SIZE_LIMIT
 
 LOST_OBJECT = (
     "its process died while an earlier exercise was checked, and running the notebook again up "
@@ -100,9 +101,11 @@ class Session:
             text = ended["output"].decode("utf-8", "replace")
             self.grades.output += text
         if ended.get("output_bytes", 0) > len(ended.get("output", b"")):
+            wrote = ended["output_bytes"]
+            if wrote >= FILE_SIZE_LIMIT:  # what a print wrote past the limit was dropped
+                wrote = f"at least {wrote}"
             self.grades.warnings.append(
-                f"the process wrote {ended['output_bytes']} bytes of output; kept the first "
-                f"{len(ended['output'])}"
+                f"the process wrote {wrote} bytes of output; kept the first {len(ended['output'])}"
             )
 
     # running
