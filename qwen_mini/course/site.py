@@ -35,6 +35,7 @@ WIDGET_NOTE = (
 
 CONF = """# Written by python -m qwen_mini.course.site: the Sphinx settings of the course site.
 project = "qwen-mini"
+author = "the qwen-mini authors"  # the theme prints "By Author name not set" without one
 html_title = "qwen-mini: build Qwen3 and Qwen3.5 from scratch"
 extensions = ["myst_nb", "sphinx-mathjax-offline"]  # MathJax served from the site
 nb_execution_mode = "off"  # the notebooks were run before Sphinx sees them
