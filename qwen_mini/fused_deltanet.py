@@ -52,10 +52,20 @@ class FusedGatedDeltaNet(GatedDeltaNet):
         value_dim = self.n_v * self.d_v
         self.in_proj_qkvz = nn.Linear(cfg.hidden_size, self.conv_dim + value_dim, bias=False)
         self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * self.n_v, bias=False)
+        self.unfusing = {}  # device -> order.argsort(), made there once (see `unfusing_order`)
+
+    def unfusing_order(self, device: torch.device) -> torch.Tensor:
+        """[rows] int64 on `device`: for each of Qwen3.5's rows, where it sits among the fused
+        ones (the inverse permutation). Made on that device the first time, then kept: not a
+        table rebuilt on the CPU and copied to the GPU at every token."""
+        if device not in self.unfusing:
+            with device:  # fused_projection_order makes its tensors on the default device
+                order = fused_projection_order(self.n_k, self.d_k, self.n_v, self.d_v)
+            self.unfusing[device] = order.argsort().to(device)
+        return self.unfusing[device]
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [B, T, hidden] -> (qkv, z, b, a) in Qwen3.5's layout, from the fused projections."""
         fused = torch.cat([self.in_proj_qkvz(x), self.in_proj_ba(x)], dim=-1)  # [B, T, rows]
-        order = fused_projection_order(self.n_k, self.d_k, self.n_v, self.d_v)
-        unfused = fused[..., order.argsort().to(x.device)]  # Qwen3.5's rows, in its order
+        unfused = fused[..., self.unfusing_order(x.device)]  # Qwen3.5's rows, in its order
         return unfused.split([self.conv_dim, self.n_v * self.d_v, self.n_v, self.n_v], dim=-1)

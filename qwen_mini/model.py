@@ -81,8 +81,9 @@ class CausalLM(nn.Module):
                 f"input_ids must hold whole-number token ids (torch.long), got {input_ids.dtype}."
             )
         V = self.config.vocab_size
-        if input_ids.numel() and not (0 <= int(input_ids.min()) and int(input_ids.max()) < V):
-            bad = input_ids[(input_ids < 0) | (input_ids >= V)].unique()[:5].tolist()
+        outside = (input_ids < 0) | (input_ids >= V)
+        if bool(outside.any()):  # one wait for the device per pass (min and max were two)
+            bad = input_ids[outside].unique()[:5].tolist()
             raise ValueError(
                 f"input_ids {bad} are outside this model's vocabulary of {V} ids (0 to {V - 1}); "
                 f"were they encoded with another tokenizer?"

@@ -34,16 +34,19 @@ def rotary_cos_sin(
     if s.rope_type == "linear":  # angle = (position / factor) * frequency
         return rope_cos_sin(positions.float() / s.factor, cfg.rotary_dim, cfg.rope_theta, dtype)
     # YaRN changes the frequencies pair by pair, so it computes the angles itself
-    inv_freq = yarn_inv_freq(cfg.rotary_dim, cfg.rope_theta, s).to(positions.device)
+    inv_freq = yarn_inv_freq(cfg.rotary_dim, cfg.rope_theta, s, positions.device)
     angles = positions.float()[:, None] * inv_freq[None, :]  # [T, rotary_dim / 2]
     angles = torch.cat([angles, angles], dim=-1)  # [T, rotary_dim]: both halves of a pair
     factor = yarn_attention_factor(s)
     return (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype)
 
 
-def yarn_inv_freq(rotary_dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+def yarn_inv_freq(
+    rotary_dim: int, theta: float, s: RopeScaling, device: torch.device | str | None = None
+) -> torch.Tensor:
     """The per-pair frequencies [rotary_dim / 2] of YaRN: interpolated (divided by the factor)
-    for the slow pairs, kept for the fast ones, a linear ramp between."""
+    for the slow pairs, kept for the fast ones, a linear ramp between; made on `device` (the
+    positions'), not copied there at every call."""
 
     def pair_making(turns: float) -> float:  # the pair index that turns `turns` times
         return (
@@ -58,9 +61,9 @@ def yarn_inv_freq(rotary_dim: int, theta: float, s: RopeScaling) -> torch.Tensor
     low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001  # as transformers: a ramp of one step, not a division by zero
-    pairs = torch.arange(rotary_dim // 2, dtype=torch.float32)
+    pairs = torch.arange(rotary_dim // 2, dtype=torch.float32, device=device)
     interpolated = ((pairs - low) / (high - low)).clamp(0, 1)  # 0: kept ... 1: interpolated
-    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+    inv_freq = 1.0 / theta ** (2 * pairs / rotary_dim)  # rope_cos_sin's, pair by pair
     return inv_freq / s.factor * interpolated + inv_freq * (1 - interpolated)
 
 
