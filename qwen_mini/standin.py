@@ -106,10 +106,12 @@ def _random_weights(model: CausalLM, seed: int) -> dict[str, torch.Tensor]:
     the norm scales by 1 + weight), everything else small and random.
 
     Uniform noise, not Gaussian: torch draws uniform numbers with the same scalar code on every
-    CPU, so the stand-in is bit-identical on every machine.
+    CPU, so the stand-in is bit-identical on every machine. Drawn on the CPU whatever torch's
+    default device is (the loader then puts them on the device asked for).
     """
     cfg = model.config
     g, dtype = torch.Generator().manual_seed(seed), getattr(torch, cfg.dtype)
+    cpu = torch.device("cpu")  # where g draws, whatever torch's default device is
     # Qwen3.5's norms scale by (1 + weight): their neutral weight is 0, not 1
     zero_centred = {
         checkpoint_name(f"{name}.weight", cfg, model.arch)
@@ -119,11 +121,12 @@ def _random_weights(model: CausalLM, seed: int) -> dict[str, torch.Tensor]:
     weights = {}
     for name, shape in expected_shapes(cfg, model).items():
         if name in zero_centred:
-            weights[name] = torch.zeros(shape, dtype=dtype)
+            weights[name] = torch.zeros(shape, dtype=dtype, device=cpu)
         elif "norm" in name:
-            weights[name] = torch.ones(shape, dtype=dtype)
+            weights[name] = torch.ones(shape, dtype=dtype, device=cpu)
         else:  # uniform on [-0.1, 0.1]: std 0.058, enough for the logits to differ visibly
-            weights[name] = torch.empty(shape, dtype=dtype).uniform_(-0.1, 0.1, generator=g)
+            noise = torch.empty(shape, dtype=dtype, device=cpu)
+            weights[name] = noise.uniform_(-0.1, 0.1, generator=g)
     return weights
 
 

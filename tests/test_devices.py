@@ -129,6 +129,25 @@ def test_runs_on_its_inputs_device(model_type, fields, dtype):
     assert_same(got, want)
 
 
+@pytest.mark.parametrize("source", ["Qwen/Qwen3-0.6B", "Qwen/Qwen3.5-0.8B", "qwen4_exp"])
+def test_loading_follows_the_device_asked_for(tmp_path, monkeypatch, source):
+    """load_model puts every tensor on the device it is given, whatever torch's default device
+    (the stand-ins draw their weights on the CPU on purpose: the same numbers on every machine)."""
+    for var in ("QWEN_MINI_WEIGHTS", "QWEN_MINI_DOWNLOAD", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(var, raising=False)  # no real weights: the stand-in
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    if "/" not in source:  # a checkpoint written by transformers, read back in bfloat16
+        write_checkpoint(tmp_path, source, tied=False)
+        source = tmp_path
+    with meta_default():
+        got = qwen_mini.load_model(source, dtype=torch.bfloat16, device="cpu")
+    want = qwen_mini.load_model(source, dtype=torch.bfloat16, device="cpu")
+    got, want = got.state_dict(), want.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) and got[k].device == want[k].device for k in want)
+
+
 # --- the check can fail: code that does not follow its inputs --------------------------------
 
 
