@@ -80,8 +80,13 @@ class CausalLM(nn.Module):
             raise ValueError(
                 f"input_ids must hold whole-number token ids (torch.long), got {input_ids.dtype}."
             )
+        if input_ids.numel() == 0:  # no position to compute: nothing a cache could commit
+            raise ValueError(
+                f"input_ids holds no tokens (shape {list(input_ids.shape)}); pass at least one "
+                f"token id per row, [batch, tokens] with tokens >= 1."
+            )
         V = self.config.vocab_size
-        if input_ids.numel() and not (0 <= int(input_ids.min()) and int(input_ids.max()) < V):
+        if not (0 <= int(input_ids.min()) and int(input_ids.max()) < V):
             bad = input_ids[(input_ids < 0) | (input_ids >= V)].unique()[:5].tolist()
             raise ValueError(
                 f"input_ids {bad} are outside this model's vocabulary of {V} ids (0 to {V - 1}); "
