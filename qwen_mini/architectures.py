@@ -34,7 +34,7 @@ from .moe import SharedExpertMoeBlock, qwen3_moe_mlp
 from .norms import RMSNorm, ZeroCentredRMSNorm
 from .sparse_attention import IndexedAttention
 from .streams import StreamReader, hyper_connected_forward, hyper_connected_layer
-from .validation import check_config_json, read_json
+from .validation import check_config_json, json_type, read_json
 
 Block = Callable[[Config, int, "Architecture"], nn.Module]  # built as block(cfg, layer_idx, arch)
 
@@ -237,18 +237,28 @@ QWEN4_EXP_ROW = dict(
     required_fields=("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
 )
 
+# transformers' RoPE of Qwen2, Qwen3 and their MoE variants turns every dimension of a head: it
+# reads no partial_rotary_factor (a file that gives one is refused rather than ignored)
+FULL_ROPE = {"partial_rotary_factor": 1.0}
+
 ARCHITECTURES: dict[str, Architecture] = {
     # Qwen2 / Qwen2.5: its attention has a bias on q/k/v, none on o_proj, and no QK-Norm
     "qwen2": Architecture(
-        mixers={"full_attention": QKVBiasAttention}, mlp=dense_mlp, qkv_bias=True
+        mixers={"full_attention": QKVBiasAttention},
+        mlp=dense_mlp,
+        qkv_bias=True,
+        fixed_fields=FULL_ROPE,
     ),
-    "qwen3": Architecture(mixers={"full_attention": Attention}, mlp=dense_mlp, qk_norm=True),
+    "qwen3": Architecture(
+        mixers={"full_attention": Attention}, mlp=dense_mlp, qk_norm=True, fixed_fields=FULL_ROPE
+    ),
     # Qwen3 with a mixture of experts in the feed-forward of the layers config.json names
     "qwen3_moe": Architecture(
         mixers={"full_attention": Attention},
         mlp=qwen3_moe_mlp,
         qk_norm=True,
         sliding_window_layers="all",  # transformers windows every layer of a Qwen3-MoE
+        fixed_fields=FULL_ROPE,
     ),
     # Qwen3.5: 3 Gated DeltaNet layers to 1 gated attention layer, zero-centred norms. qwen3_5 is
     # the multimodal checkpoint (Qwen3_5ForConditionalGeneration), whose text model sits under
@@ -274,6 +284,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             moe_intermediate_size=1408,
             shared_expert_intermediate_size=5632,
         ),
+        fixed_fields=FULL_ROPE,
     ),
     # Qwen3.5-MoE, multimodal (under model.language_model.) and text-only, as qwen3_5 above
     "qwen3_5_moe": Architecture(
@@ -319,6 +330,17 @@ ARCHITECTURES: dict[str, Architecture] = {
 
 def architecture(model_type: object, source: str = "config.json") -> Architecture:
     """The row of `model_type`; a clear error naming `source` for one the table lacks."""
+    if model_type is None:
+        raise ValueError(
+            f'{source}: model_type is missing; it names the architecture (such as "qwen3"). '
+            f"Use the config.json that came with the weights."
+        )
+    if not isinstance(model_type, str):  # a list or an object cannot even be looked up
+        raise ValueError(
+            f"{source}: model_type must be a string naming the architecture, such as "
+            f'"qwen3", got {json_type(model_type)} {model_type!r}; use the config.json that '
+            f"came with the weights."
+        )
     if model_type not in ARCHITECTURES:
         raise ValueError(
             f"{source}: model_type {model_type!r} is not supported by qwen_mini; "

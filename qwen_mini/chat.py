@@ -15,7 +15,13 @@ from collections.abc import Callable, Iterator
 import torch
 
 from qwen_mini.families import FAMILIES
-from qwen_mini.generation import Sampling, eos_ids_for, next_token, stream_text
+from qwen_mini.generation import (
+    Sampling,
+    eos_ids_for,
+    next_token,
+    seeded_generator,
+    stream_text,
+)
 from qwen_mini.tokenizer import check_conversation, check_text, is_whole_number
 
 
@@ -445,7 +451,7 @@ class ChatSession:
         self.settings = Sampling.for_model(model, **sampling_preset(thinking, family, **sampling))
         self.stop_ids = eos_ids_for(model)
         self.device = next(model.parameters()).device  # the logits, and so the sampling, are there
-        self.generator = None if seed is None else torch.Generator(self.device).manual_seed(seed)
+        self.generator = seeded_generator(seed, self.device)  # None: torch's global generator
         self.cache, self.cached = model.new_cache(batch_size=1), []
         self.turns: list[dict] = []
 

@@ -319,7 +319,7 @@ def memory_needed(cfg: Config, dtype: torch.dtype | None = None, exact: bool = T
     """What the weights `cfg` describes amount to, nothing allocated: "18,867 tensors, 30.5 B
     parameters: 61.1 GB in bfloat16", counted on the meta model; with exact=False, or for a
     config too large to build even that, "at least ..." from the config alone."""
-    dtype = dtype or _dtype(cfg.dtype) or torch.float32
+    dtype = dtype or checked_dtype(cfg.dtype) or torch.float32
     if exact and modules_to_build(cfg) <= MAX_BUILD:
         shapes = expected_shapes(cfg)
         params, count = sum(math.prod(s) for s in shapes.values()), f"{len(shapes):,} tensors, "
@@ -493,10 +493,14 @@ def convert_expert_layout(
     return stored, derived
 
 
-def load_dtype(stored: dict, names, where: Path) -> torch.dtype | None:
-    """The dtype the weights `names` must be cast to as they load (None: keep them as stored).
+def load_dtype(
+    stored: dict, names, where: Path, asked: torch.dtype | None = None
+) -> torch.dtype | None:
+    """The dtype the weights `names` must be cast to as they load (None: keep them as stored):
+    `asked`, the caller's choice, if given.
 
-    Weights are floating point: an integer or boolean tensor where a weight belongs is refused.
+    Weights are floating point: an integer or boolean tensor where a weight belongs is refused,
+    whatever dtype is asked for (casting would make weights of its integers).
     Float8 is a storage format PyTorch does not compute in, and shards saved in several float
     dtypes would fail at the first matrix multiply: both are cast, once, to the dtype that holds
     most of the parameters (bfloat16 for float8), with one notice.
@@ -506,11 +510,13 @@ def load_dtype(stored: dict, names, where: Path) -> torch.dtype | None:
         path, dtype, shape = stored[name]
         if not dtype.is_floating_point:
             raise CheckpointError(
-                f"{path}: tensor {name!r} is stored as {dtype} integers, but it is a weight of "
+                f"{path}: tensor {name!r} is stored as {dtype}, but it is a weight of "
                 f"the model and must be floating point (bfloat16, float16 or float32). The file "
                 f"was not written for this model, or was quantized: {REDO}"
             )
         counts[dtype] = counts.get(dtype, 0) + math.prod(shape)
+    if asked is not None:
+        return asked
     if len(counts) == 1 and next(iter(counts)).itemsize > 1:
         return None
     target = max((d for d in counts if d.itemsize > 1), key=counts.get, default=torch.bfloat16)
@@ -591,7 +597,7 @@ def build_model(
     """Fill a model built on the meta device (`model`, or a new one) with validated tensors (by
     checkpoint name), through the decoder's `load_weights`, on `device`, with no copy unless
     `dtype` or `device` asks for one; then apply the runtime speed-ups."""
-    dtype, device = _dtype(dtype), checked_device(device)
+    dtype, device = checked_dtype(dtype), checked_device(device)
     model = model if model is not None else meta_model(cfg)
     prefix = model.arch.checkpoint_prefix
 
@@ -603,12 +609,20 @@ def build_model(
     return convert_for_runtime(model.eval())
 
 
-def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+def checked_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """`dtype` (a torch.dtype or its name, "bfloat16") as one the weights can be computed in;
+    None stays None (the stored dtype). A ValueError naming it otherwise."""
+    if dtype is None:
+        return None
+    found = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype), None)
+    if not isinstance(found, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}; use e.g. torch.float32 or torch.bfloat16.")
-    return getattr(torch, dtype)
+    if not found.is_floating_point or found.itemsize < 2:  # float8: storage only, no matmul
+        raise ValueError(
+            f"dtype={dtype!r}: the weights are computed in floating point; use torch.float32, "
+            f"torch.bfloat16 or torch.float16 (or None, the dtype they are stored in)."
+        )
+    return found
 
 
 def checked_device(device: torch.device | str) -> torch.device:
@@ -655,7 +669,7 @@ def load_checkpoint(
     Everything is checked before a tensor is read: the config's fields, the weights' headers,
     names, shapes and dtypes, the size against the files and the memory, generation_config.json.
     """
-    folder, dtype, device = Path(folder).expanduser(), _dtype(dtype), checked_device(device)
+    folder, dtype, device = Path(folder).expanduser(), checked_dtype(dtype), checked_device(device)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a folder. Pass the folder that holds config.json.")
     config_file = folder / "config.json"
@@ -686,7 +700,7 @@ def load_checkpoint(
         cfg = replace(cfg, tie_word_embeddings=False)
         model = meta_model(cfg, arch)
     keep = expected_shapes(cfg, model)
-    dtype = dtype or load_dtype(stored, weights_of(model, keep, stored, where), where)
+    dtype = load_dtype(stored, weights_of(model, keep, stored, where), where, dtype)
     sources = {source for names, _ in derived.values() for source in names}
     tensors = {}
     for path in files:

@@ -221,6 +221,16 @@ def _check_prompt(model, prompt_ids: list[int], max_new_tokens: int):
         )
 
 
+def seeded_generator(seed: int | None, device) -> torch.Generator | None:
+    """A random generator on `device` started from `seed` (None: none, torch's global one is
+    used); a seed torch cannot take (a float, one past 64 bits) is a ValueError naming it."""
+    if seed is None:
+        return None
+    if not is_whole_number(seed) or not -(2**63) <= int(seed) < 2**64:
+        raise ValueError(f"seed must be a whole number from -2**63 to 2**64 - 1, got {seed!r}.")
+    return torch.Generator(device=device).manual_seed(int(seed))
+
+
 # --- the decoding loop --------------------------------------------------------------------------
 
 
@@ -259,17 +269,15 @@ def generate_tokens(
     _check_prompt(model, prompt_ids, max_new_tokens)
     prompt_ids = [int(i) for i in prompt_ids]
     stop = eos_ids_for(model, eos_token_ids)
-    return _decode(model, prompt_ids, max_new_tokens, sampling, seed, stop)
+    generator = seeded_generator(seed, next(model.parameters()).device)
+    return _decode(model, prompt_ids, max_new_tokens, sampling, generator, stop)
 
 
 @torch.inference_mode()  # on a generator, torch enters the mode only while the generator runs
-def _decode(model, prompt_ids, max_new_tokens, s: Sampling, seed, stop) -> Iterator[int]:
+def _decode(model, prompt_ids, max_new_tokens, s: Sampling, generator, stop) -> Iterator[int]:
     """The decoder's `decode` loop (prefill once, then one token at a time through the cache),
-    choosing each token with the sampling settings `s`."""
+    choosing each token with the sampling settings `s` (drawing from `generator`, if any)."""
     device = next(model.parameters()).device
-    generator = None
-    if seed is not None and s.temperature > 0:
-        generator = torch.Generator(device=device).manual_seed(seed)
     seen = torch.zeros(model.config.vocab_size, dtype=torch.bool, device=device)
 
     def choose(logits: torch.Tensor) -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .architectures import Architecture, config_from_file
-from .checkpoint import INDEX_FILE, SINGLE_FILE, checked_device, load_checkpoint
+from .checkpoint import INDEX_FILE, SINGLE_FILE, checked_device, checked_dtype, load_checkpoint
 from .model import CausalLM
 from .standin import STANDINS, load_standin
 
@@ -221,7 +221,7 @@ def load_model(
     device this machine does not have is a ValueError before anything is read.
     The model's `source` says where it came from and `is_standin` whether it is the stand-in.
     """
-    device = checked_device(device)
+    device, dtype = checked_device(device), checked_dtype(dtype)  # before any download
     found = resolve(name_or_path, download=download)
     if found.path is not None:
         return load_checkpoint(found.path, dtype, arch, device)

@@ -80,6 +80,11 @@ class CausalLM(nn.Module):
             raise ValueError(
                 f"input_ids must hold whole-number token ids (torch.long), got {input_ids.dtype}."
             )
+        if input_ids.numel() == 0:  # no position to compute: nothing a cache could commit
+            raise ValueError(
+                f"input_ids holds no tokens (shape {list(input_ids.shape)}); pass at least one "
+                f"token id per row, [batch, tokens] with tokens >= 1."
+            )
         V = self.config.vocab_size
         outside = (input_ids < 0) | (input_ids >= V)
         if bool(outside.any()):  # one wait for the device per pass (min and max were two)

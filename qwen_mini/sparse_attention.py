@@ -22,9 +22,9 @@ Qwen3.5 then runs masked to those tokens. The query's own block, once complete, 
 A step of decoding therefore reads at most budget + r - 1 keys and values, however long the
 context: what grows is only the scoring, one small dot product per block.
 
-ReLU scores are exactly 0 for every block all heads score negatively: such ties at the top-k
-boundary are broken arbitrarily (by index in torch.topk), so two implementations may keep
-different blocks there.
+ReLU scores are exactly 0 for every block all heads score negatively. Ties at the top-k
+boundary are broken as transformers breaks them on the CPU: by torch.topk over exactly the
+blocks a query sees (a longer row, padded with -inf, can keep another of the tied blocks).
 """
 
 import math
@@ -148,8 +148,29 @@ class QSAIndexer(nn.Module):
         return index_scores(q, keys)  # [B, T, n_blocks]
 
     def select(self, scores: torch.Tensor, t_all: int) -> torch.Tensor:
-        """scores [B, T, n_blocks] of the last T of t_all positions -> keep [B, T, t_all]."""
-        return select_blocks(scores, t_all, self.ratio, self.top_blocks)
+        """scores [B, T, n_blocks] of the last T of t_all positions -> keep [B, T, t_all]:
+        select_blocks on 1 for each block `chosen` keeps and 0 for the others."""
+        return select_blocks(self.chosen(scores, t_all), t_all, self.ratio, self.top_blocks)
+
+    def chosen(self, scores: torch.Tensor, t_all: int) -> torch.Tensor:
+        """scores [B, T, n_blocks] -> 1.0 where a query keeps a block, else 0.0 [B, T, n_blocks].
+
+        Blocks every head scores negatively all score exactly 0, so the top-k boundary can fall
+        inside a tie, and which tied block torch.topk keeps depends on the length of the row it
+        is given. As in transformers, each query's top k is taken over exactly the blocks it
+        sees: the queries that see the same number of blocks (up to r in a row) in one call."""
+        r, first = self.ratio, t_all - scores.shape[1]  # first: the first query's position
+        chosen = torch.zeros_like(scores)
+        start = first
+        while start < t_all:
+            seen = (start + 1) // r  # the complete blocks the query at `start` sees ...
+            end = min((seen + 1) * r - 1, t_all)  # ... as do the queries up to `end`
+            if seen:
+                rows = slice(start - first, end - first)
+                top = scores[:, rows, :seen].topk(min(self.top_blocks, seen), dim=-1).indices
+                chosen[:, rows].scatter_(-1, top, 1.0)  # [B, end - start, n]
+            start = end
+        return chosen
 
     def top_blocks_of_last(self, scores: torch.Tensor) -> torch.Tensor:
         """scores [B, 1, n_blocks] of the last position -> the blocks it keeps [B, k]. It sees

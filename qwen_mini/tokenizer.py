@@ -128,6 +128,7 @@ class Tokenizer:
             ) from None
         self.chat_template = chat_template
         self.config = dict(config or {})
+        self._add_config_tokens()
 
         # Every added token is a control token: <|im_start|> and friends are marked "special"
         # (dropped by decode(..., skip_special_tokens=True)); <think>, <tool_call>, ... are not,
@@ -147,6 +148,61 @@ class Tokenizer:
         stops = [self.eos_token_id, self.im_end_id, self.endoftext_id]
         self.eos_token_ids = tuple(dict.fromkeys(stops))  # without duplicates, in order
         self.pad_token_id = self.token_to_id(_token_text(self.config.get("pad_token")) or "")
+
+    def _add_config_tokens(self) -> None:
+        """The added tokens tokenizer_config.json lists (`added_tokens_decoder`) at the ids it
+        lists, as transformers reads them: tokenizer.json may lack some (the tokenizers library
+        then numbers the ones after a gap one too low). A token the two files give different
+        ids, or an id the other file gives another token, is refused."""
+        listed = self._listed_tokens()
+        if all(self.token_to_id(content) == i for i, (content, _) in listed.items()):
+            return  # the usual case: tokenizer.json holds them all, where they belong
+        data = read_tokenizer_json(self.path)
+        stored = {t["content"]: t["id"] for t in data["added_tokens"]}
+        taken = {i: c for c, i in {**data["model"].get("vocab", {}), **stored}.items()}
+        for i, (content, entry) in listed.items():
+            clash = None
+            if stored.get(content, i) != i:
+                clash = f"{self.path.name} gives {content!r} the id {stored[content]}"
+            elif content not in stored and i in taken:
+                clash = f"{self.path.name} gives the id {i} to {taken[i]!r}"
+            if clash:
+                raise TokenizerError(
+                    f"{self.path.parent / 'tokenizer_config.json'}: added_tokens_decoder gives "
+                    f"{content!r} the id {i}, but {clash}: the two files belong to different "
+                    f"tokenizers. Copy both from the same checkpoint."
+                )
+            if content not in stored:
+                flags = ("single_word", "lstrip", "rstrip", "normalized", "special")
+                data["added_tokens"].append(
+                    {"id": i, "content": content, **{f: bool(entry.get(f)) for f in flags}}
+                )
+        data["added_tokens"].sort(key=lambda t: t["id"])
+        self._tok = tokenizers.Tokenizer.from_str(json.dumps(data))
+        wrong = [(t["content"], t["id"]) for t in data["added_tokens"]
+                 if self.token_to_id(t["content"]) != t["id"]]  # fmt: skip
+        if wrong:  # a gap neither file fills: the tokenizers library would renumber
+            raise TokenizerError(
+                f"{self.path}: the added token {wrong[0][0]!r} should have the id {wrong[0][1]}, "
+                f"but the added tokens before it leave a gap. Copy tokenizer.json again."
+            )
+
+    def _listed_tokens(self) -> dict[int, tuple[str, dict]]:
+        """tokenizer_config.json's added_tokens_decoder: id -> (token, its entry), checked."""
+        listed = self.config.get("added_tokens_decoder") or {}
+        source = f"{self.path.parent / 'tokenizer_config.json'}: added_tokens_decoder"
+        if not isinstance(listed, dict):
+            raise TokenizerError(f"{source} must be an object of id -> token, got {listed!r}")
+        out = {}
+        for key, entry in listed.items():
+            content = entry.get("content") if isinstance(entry, dict) else None
+            if not (key.isdigit() and isinstance(content, str)):
+                raise TokenizerError(
+                    f'{source}: entry {key!r} must be "<id>": {{"content": "<token>", ...}}, '
+                    f"got {entry!r}"
+                )
+            out[int(key)] = (content, entry)
+        return out
 
     def _require(self, token: str) -> int:
         i = self.token_to_id(token)
@@ -302,10 +358,15 @@ def _check_message(i: int, m: dict) -> None:
         raise ValueError(f"message {i} ({role}): tool_calls must be a list, on an assistant turn")
     for j, call in enumerate(calls):
         function = call.get("function", call) if isinstance(call, dict) else None
+        if isinstance(function, dict) and "arguments" not in function:  # the template writes them
+            raise ValueError(
+                f"message {i} (assistant): tool call {j} has no 'arguments'; give them as a "
+                f"dict or a JSON string ({{}} for a call without any), got {call!r}"
+            )
         if not (
             isinstance(function, dict)
             and isinstance(function.get("name"), str)
-            and isinstance(function.get("arguments", {}), (str, dict))
+            and isinstance(function.get("arguments"), (str, dict))
         ):
             raise ValueError(
                 f"message {i} (assistant): tool call {j} must be {{'function': {{'name': str, "

@@ -141,8 +141,8 @@ def check_config_json(d: object, source: str = "config.json") -> None:
         raise ConfigError(f"{source}: nested more than {MAX_DEPTH} levels deep: not a config.")
     from .architectures import ARCHITECTURES  # the table imports the blocks, which import Config
 
-    if d.get("model_type") not in ARCHITECTURES:
-        return  # Config.from_dict names the model type first: its fields may mean other things
+    if not isinstance(d.get("model_type"), str) or d["model_type"] not in ARCHITECTURES:
+        return  # the model type is named first (architecture()): its fields may mean other things
     arch = ARCHITECTURES[d["model_type"]]
     problems = _type_problems(d, text_fields(d), arch)
     if not problems:  # the relations between fields can only be read off well-typed fields
@@ -188,7 +188,7 @@ def _type_problems(d: dict, t: dict, arch) -> list[str]:
                 f"got {_show(t[name])}"
             )
     act = t.get("hidden_act", "silu")
-    if act != "silu":
+    if act not in ("silu", "swish"):  # transformers builds both as nn.SiLU
         problems.append(
             f"hidden_act is {_show(act)}, but qwen_mini's feed-forward is SwiGLU, which "
             f"uses silu: a model with another activation would give different results"
@@ -338,12 +338,17 @@ def _fixed_field_problems(t: dict, arch) -> list[str]:
     its router and has experts in every layer): another value in the file is refused, since
     transformers ignores it and the model would not be the one the file describes."""
     problems = []
+    rope = t.get("rope_parameters") if isinstance(t.get("rope_parameters"), dict) else {}
     for name, value in arch.fixed_fields.items():
-        if name in t and t[name] is not None and t[name] != value:
+        # transformers 5 keeps partial_rotary_factor in rope_parameters; older files beside it
+        where = [("", t)] + [("rope_parameters.", rope)] * (name == "partial_rotary_factor")
+        for prefix, part in where:
+            if part.get(name) is None or part[name] == value:
+                continue
             problems.append(
-                f"{name} is {_show(t[name])}, but this model type always has {_show(value)} "
-                f"(transformers ignores the field); remove it, or use the model_type the "
-                f"checkpoint was trained as"
+                f"{prefix}{name} is {_show(part[name])}, but this model type always has "
+                f"{_show(value)} (transformers ignores the field); remove it, or use the "
+                f"model_type the checkpoint was trained as"
             )
     return problems
 
@@ -372,7 +377,7 @@ def _sliding_window_problems(t: dict, arch) -> list[str]:
     changes nothing."""
     window = t.get("sliding_window", 4096)
     mode = arch.sliding_window_layers
-    if not t.get("use_sliding_window") or not window or mode == "none":
+    if not t.get("use_sliding_window") or window is None or mode == "none":
         return []
     if window >= t["max_position_embeddings"]:
         return []
@@ -391,6 +396,12 @@ def _sliding_window_problems(t: dict, arch) -> list[str]:
         if mode != "alternate_below_max_window_layers"
         else (f"layers {', '.join(map(str, windowed[:4]))}{', ...' if len(windowed) > 4 else ''}")
     )
+    if window == 0:  # transformers then masks every key and fails in its first forward
+        return [
+            f"use_sliding_window is true with sliding_window = 0, so {which} would attend to no "
+            f"token at all (transformers fails on such a model too); set use_sliding_window to "
+            f"false, or sliding_window to null, if the checkpoint was trained without a window"
+        ]
     return [
         f"use_sliding_window is true with sliding_window = {window}, so {which} attend only "
         f"to the last {window} tokens (max_window_layers, layer_types); qwen_mini does not "

@@ -26,7 +26,7 @@ import torch
 from helpers import HF_CLASSES, hf_logits, tiny_model, write_checkpoint
 from safetensors.torch import load_file, save_file
 
-from qwen_mini import chat, load_tokenizer
+from qwen_mini import chat, load_model, load_tokenizer
 from qwen_mini.checkpoint import INDEX_FILE, SINGLE_FILE, load_checkpoint, scan_nonfinite
 from qwen_mini.generation import NonFiniteLogitsError, generate_tokens
 from qwen_mini.tokenizer import VENDORED_QWEN3
@@ -133,6 +133,21 @@ def set_fields(base: str, **fields):
     return edit
 
 
+def set_top_fields(**fields):
+    """An edit of config.json's top-level fields (model_type of a multimodal config too)."""
+
+    def edit(folder: Path):
+        cfg = json.loads((folder / "config.json").read_text())
+        for name, value in fields.items():
+            if value is DELETE:
+                cfg.pop(name, None)
+            else:
+                cfg[name] = value
+        replace_file(folder / "config.json", json.dumps(cfg).encode())
+
+    return edit
+
+
 def config_cases() -> list[Case]:
     cases = []
     sizes = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -181,6 +196,22 @@ def config_cases() -> list[Case]:
                     f"{base}-partial_rotary={value!r}",
                 )
             )
+        if base != "qwen3_5":  # transformers ignores the field here: refused, never ignored
+            words = ["config.json", "partial_rotary_factor", "transformers ignores"]
+            cases.append(
+                Case(base, set_fields(base, partial_rotary_factor=0.5), words,
+                     f"{base}-partial_rotary=0.5-not-read")
+            )  # fmt: skip
+            cases.append(
+                Case(base, set_fields(base, partial_rotary_factor=1.0), None,
+                     f"{base}-partial_rotary=1.0")
+            )  # fmt: skip
+        # model_type names the row: anything but one of its strings is refused first
+        for value in [["qwen3"], {"qwen3": 1}, 3, None, DELETE, "Qwen3"]:
+            cases.append(
+                Case(base, set_top_fields(model_type=value), ["config.json", "model_type"],
+                     f"{base}-model_type={value!r}")
+            )  # fmt: skip
         for name, values in [("tie_word_embeddings", ["false", "true", 0, 1, None]),
                              ("attention_bias", ["false", 1, None]),
                              ("use_sliding_window", ["false", 1])]:  # fmt: skip
@@ -199,6 +230,8 @@ def config_cases() -> list[Case]:
                     f"{base}-hidden_act={value!r}",
                 )
             )
+        # transformers' "swish" is nn.SiLU: the same model
+        cases.append(Case(base, set_fields(base, hidden_act="swish"), None, f"{base}-swish"))
         for value in ["int8", "float8", 5, "fp16"]:
             cases.append(
                 Case(base, set_fields(base, dtype=value), ["dtype"], f"{base}-dtype={value!r}")
@@ -272,6 +305,12 @@ SLIDING_WINDOWS = [
     ("off", dict(WINDOW, use_sliding_window=False, max_window_layers=0), False, False),
     ("layer_types-full", dict(WINDOW, max_window_layers=0, layer_types=["full_attention"] * 2),
      False, True),
+    # a window of 0 tokens where a layer is windowed: transformers fails in its first forward
+    ("zero", dict(WINDOW, sliding_window=0, max_window_layers=0), True, True),
+    ("zero-past-last-layer", dict(WINDOW, sliding_window=0, max_window_layers=2), False, True),
+    ("zero-layer_types-full", dict(WINDOW, sliding_window=0, max_window_layers=0,
+                                   layer_types=["full_attention"] * 2), False, True),
+    ("null", dict(WINDOW, sliding_window=None, max_window_layers=0), False, False),
 ]  # fmt: skip
 
 
@@ -663,6 +702,157 @@ def assert_loads_as_transformers(folder: Path, model_type: str) -> None:
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
+def test_a_window_of_no_tokens_fails_in_transformers_too(bases, scratch):
+    """Why `sliding_window: 0` is refused where a layer is windowed: transformers builds such a
+    model, then fails in its first forward (the mask and the keys disagree in length)."""
+    folder = copy(bases["qwen3_moe"], scratch)
+    set_fields("qwen3_moe", use_sliding_window=True, sliding_window=0)(folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = HF_CLASSES["qwen3_moe"][1].from_pretrained(folder).eval()
+    with pytest.raises(RuntimeError):
+        hf_logits(reference, IDS)
+
+
+@pytest.mark.parametrize("base", ["qwen3", "qwen2-sharded"])
+def test_partial_rotary_factor_is_not_read_by_transformers_for_full_rope_types(
+    bases, scratch, base
+):
+    """Why a partial_rotary_factor other than 1 is refused for Qwen2 / Qwen3 (and their MoE
+    variants): transformers loads the file and turns every dimension anyway, so the file does
+    not describe the model transformers runs."""
+    folder = copy(bases[base], scratch)
+    plain = HF_CLASSES[BASES[base]["model_type"]][1].from_pretrained(folder).eval()
+    set_fields(base, partial_rotary_factor=0.5)(folder)
+    edited = HF_CLASSES[BASES[base]["model_type"]][1].from_pretrained(folder).eval()
+    torch.testing.assert_close(hf_logits(edited, IDS), hf_logits(plain, IDS), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("stored", [torch.int8, torch.bool], ids=str)
+@pytest.mark.parametrize("asked", [torch.float32, torch.bfloat16, "float16"], ids=str)
+def test_integer_weights_are_refused_whatever_dtype_is_asked(bases, scratch, stored, asked):
+    """An explicit dtype= would otherwise cast the integers into weights (or fail in torch)."""
+    folder = copy(bases["qwen3"], scratch)
+    edit_tensors(lambda t: t.update({UP: t[UP].to(stored)}))(folder)
+    with pytest.raises(BaseException) as e:
+        load_checkpoint(folder, dtype=asked)
+    assert_clear_error(e.value, [SINGLE_FILE, UP, "floating point"])
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.int8, torch.bool, torch.int64, "int8", "bool", torch.float8_e4m3fn, torch.complex64,
+     "fp32", 5, [torch.float32]],
+    ids=repr,
+)  # fmt: skip
+def test_a_dtype_the_weights_cannot_be_computed_in_is_refused(bases, dtype):
+    for load in (load_checkpoint, load_model):
+        with pytest.raises(BaseException) as e:
+            load(bases["qwen3"], dtype=dtype)
+        assert_clear_error(e.value, ["dtype"])
+
+
+@pytest.mark.parametrize("dtype", [None, "float32", torch.float32])
+def test_dtype_none_or_a_name_loads_as_transformers(bases, dtype):
+    """None keeps the stored dtype (float32 here); a name is the torch dtype of that name."""
+    model = load_model(bases["qwen3"], dtype=dtype)
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    reference = HF_CLASSES["qwen3"][1].from_pretrained(bases["qwen3"]).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS), hf_logits(reference, IDS), atol=1e-4, rtol=0)
+
+
+# --- Qwen Sparse Attention: ties at the top-k boundary, broken as transformers breaks them ----
+
+
+def test_the_indexer_breaks_ties_as_a_topk_over_the_blocks_each_query_sees():
+    """transformers takes each query's top k over exactly the complete blocks it sees; a row
+    padded with -inf can keep another of several blocks tied at 0. Scores with many ties, from
+    a cache of 0, 5 and 13 positions."""
+    from qwen_mini.sparse_attention import QSAIndexer
+
+    g = torch.Generator().manual_seed(0)
+    for ratio, top, past in [(2, 2, 0), (3, 1, 5), (4, 3, 13), (2, 5, 0)]:
+        indexer = QSAIndexer.__new__(QSAIndexer)  # only its two numbers are read
+        indexer.ratio, indexer.top_blocks = ratio, top
+        T = 40
+        t_all = past + T
+        scores = torch.randint(0, 3, (2, T, t_all // ratio), generator=g).float()
+        chosen = indexer.chosen(scores, t_all)
+        for b in range(2):
+            for t in range(T):
+                seen = (past + t + 1) // ratio
+                want = torch.zeros(scores.shape[-1])
+                if seen:
+                    want[scores[b, t, :seen].topk(min(top, seen), dim=0).indices] = 1
+                assert torch.equal(chosen[b, t], want), (ratio, top, past, b, t)
+
+
+QWEN4_SIZE = dict(vocab_size=256, hidden_size=32, max_position_embeddings=512, eos_token_id=3)
+# blocks of 3 tokens, the top 1 kept: with seed 1, some prompts make an attention layer's indexer
+# meet a query whose two best blocks both score exactly 0
+QWEN4_TIES = dict(hc_count=4, indexer_budget=3, indexer_compress_ratio=3, indexer_n_heads=3,
+                  ngram_size=2, heads_per_ngram=4, ple_layer_ids=[2], seed=1)  # fmt: skip
+LINEAR_ROPE = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0,
+               "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
+               "mrope_interleaved": True}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def qwen4_tied(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("qwen4_exp")
+    write_checkpoint(folder, "qwen4_exp", tied=False, **QWEN4_SIZE, **QWEN4_TIES)
+    return folder
+
+
+def boundary_tied(model, ids: torch.Tensor) -> bool:
+    """Whether some query's k-th and (k+1)-th best blocks score the same."""
+    from qwen_mini.sparse_attention import QSAIndexer
+
+    found = []
+    hooks = [m.register_forward_hook(lambda m, a, out: found.append((m, m.block_scores(*a))))
+             for m in model.modules() if isinstance(m, QSAIndexer)]  # fmt: skip
+    try:
+        model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    for indexer, scores in found:
+        k, r = indexer.top_blocks, indexer.ratio
+        for t in range(scores.shape[1]):
+            if (t + 1) // r > k:
+                ranked = scores[:, t, : (t + 1) // r].sort(dim=-1, descending=True).values
+                if (ranked[:, k - 1] == ranked[:, k]).any():
+                    return True
+    return False
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"norm_topk_prob": False}, {"rope_parameters": LINEAR_ROPE}],
+    ids=["as-written", "norm_topk_prob-false", "linear-rope"],
+)
+def test_qwen4_exp_past_the_budget_keeps_the_blocks_transformers_keeps(qwen4_tied, scratch, fields):
+    folder = copy(qwen4_tied, scratch)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["text_config"].update(fields)
+    replace_file(folder / "config.json", json.dumps(cfg).encode())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = load_checkpoint(folder, dtype=torch.float32)
+        reference = HF_CLASSES["qwen4_exp"][1].from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():  # the first of a few prompts with a tie at the boundary
+        prompts = (torch.randint(4, 256, (2, 24), generator=torch.Generator().manual_seed(seed))
+                   for seed in range(16))  # fmt: skip
+        ids = next((ids for ids in prompts if boundary_tied(ours, ids)), None)
+        assert ids is not None, "no tie: the case would show nothing"
+        want = hf_logits(reference.eval(), ids)
+        torch.testing.assert_close(ours(ids), want, atol=1e-4, rtol=0)
+        cache = ours.new_cache(batch_size=2)  # in pieces through the cache: the same blocks
+        got = torch.cat([ours(ids[:, a:b], cache=cache) for a, b in [(0, 7), (7, 8), (8, 24)]], 1)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
 # --- non-finite weights: they load (as in transformers) but never become tokens --------------
 
 
@@ -719,6 +909,75 @@ def test_corrupt_tokenizer_file_is_named(bases, tmp_path, file, data):
     assert_clear_error(e.value, [file])
 
 
+def edit_tokenizer(folder: Path, drop: tuple[str, ...] = (), listed: dict | None = None) -> None:
+    """tokenizer.json without the added tokens `drop`; tokenizer_config.json's
+    added_tokens_decoder updated with `listed` (id -> entry, None: remove the id)."""
+    data = json.loads((folder / "tokenizer.json").read_text())
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] not in drop]
+    replace_file(folder / "tokenizer.json", json.dumps(data).encode())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    for key, entry in (listed or {}).items():
+        config["added_tokens_decoder"].pop(key, None)
+        if entry is not None:
+            config["added_tokens_decoder"][key] = entry
+    replace_file(folder / "tokenizer_config.json", json.dumps(config).encode())
+
+
+THINK = {"content": "<think>", "lstrip": False, "normalized": False, "rstrip": False,
+         "single_word": False, "special": False}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "drop", [("<think>", "</think>"), ("<think>",), ("<tool_call>",)], ids=lambda d: "+".join(d)
+)
+def test_added_tokens_listed_only_in_tokenizer_config_are_added_as_transformers_adds_them(
+    bases, tmp_path, drop
+):
+    from transformers import AutoTokenizer
+
+    folder = copy(bases["tokenizer"], tmp_path / "tok")
+    edit_tokenizer(folder, drop)
+    ours, reference = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    text = "a<think>\nwhy\n</think>\n\n<tool_call>{}</tool_call>"
+    assert ours.encode(text) == reference.encode(text)
+    assert ours.think_id == 151667 and ours.end_think_id == 151668
+    assert len(ours) == len(reference) == 151669
+    ids = ours.encode(text)
+    assert ours.decode(ids) == reference.decode(ids) == text
+    assert ours.decode(ids, True) == reference.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize(
+    "drop, listed, words",
+    [
+        ((), {"151667": None, "151700": THINK}, ["'<think>'", "151700", "151667"]),  # moved
+        (("<think>",), {"151667": None, "151668": THINK}, ["151668", "'</think>'"]),  # id taken
+        ((), {"x": THINK}, ["'x'"]),
+        ((), {"151667": "<think>"}, ["151667"]),
+        ((), {"151667": {"content": 5}}, ["151667"]),
+    ],
+    ids=["id-moved", "id-taken", "key-not-an-id", "entry-string", "content-number"],
+)
+def test_added_tokens_the_two_files_disagree_on_are_refused(bases, tmp_path, drop, listed, words):
+    """transformers then encodes <think> as 151668 and decodes 151667 as </think>: no behaviour
+    to copy, so both files are named."""
+    folder = copy(bases["tokenizer"], tmp_path / "tok")
+    edit_tokenizer(folder, drop, listed)
+    with pytest.raises(BaseException) as e:
+        load_tokenizer(folder)
+    assert_clear_error(e.value, ["tokenizer_config.json", "added_tokens_decoder", *words])
+
+
+def test_added_tokens_decoder_not_an_object_is_refused(bases, tmp_path):
+    folder = copy(bases["tokenizer"], tmp_path / "tok")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"] = ["<think>"]
+    replace_file(folder / "tokenizer_config.json", json.dumps(config).encode())
+    with pytest.raises(BaseException) as e:
+        load_tokenizer(folder)
+    assert_clear_error(e.value, ["tokenizer_config.json", "added_tokens_decoder"])
+
+
 # --- the runtime: settings, ids, text, messages -----------------------------------------------
 
 
@@ -748,6 +1007,24 @@ def test_bad_setting_is_named(model, name, value):
     assert_clear_error(e.value, [name])
 
 
+@pytest.mark.parametrize("seed", [2**70, 2**64, -(2**63) - 1, 1.5, "1", True, [1]], ids=repr)
+def test_a_seed_torch_cannot_take_is_refused(model, tok, seed):
+    with pytest.raises(BaseException) as e:
+        generate_tokens(model, [1, 2, 3], max_new_tokens=2, temperature=0.7, seed=seed)
+    assert_clear_error(e.value, ["seed"])
+    with pytest.raises(BaseException) as e:
+        chat.ChatSession(model, tok, seed=seed)
+    assert_clear_error(e.value, ["seed"])
+
+
+@pytest.mark.parametrize("seed", [2**64 - 1, -(2**63), 0])
+def test_every_seed_torch_takes_samples_reproducibly(model, seed):
+    def run() -> list[int]:
+        return list(generate_tokens(model, [1, 2, 3], max_new_tokens=4, temperature=1.0, seed=seed))
+
+    assert run() == run()
+
+
 @pytest.mark.parametrize("ids", [[1.5], [1000], [-1], ["a"], [True], [10**9], [None]], ids=repr)
 def test_bad_prompt_ids_are_refused(model, ids):
     with pytest.raises(BaseException) as e:
@@ -758,8 +1035,9 @@ def test_bad_prompt_ids_are_refused(model, ids):
 @pytest.mark.parametrize(
     "input_ids",
     [torch.tensor([[1.0, 2.0]]), torch.tensor([[1000]]), torch.tensor([[-1]]),
-     torch.tensor([[True]]), torch.tensor([1, 2])],
-    ids=["float", "past-vocab", "negative", "bool", "1-d"],
+     torch.tensor([[True]]), torch.tensor([1, 2]), torch.zeros(1, 0, dtype=torch.long),
+     torch.zeros(0, 3, dtype=torch.long)],
+    ids=["float", "past-vocab", "negative", "bool", "1-d", "no-tokens", "no-rows"],
 )  # fmt: skip
 def test_bad_input_ids_in_a_forward_are_refused(model, input_ids):
     cache = model.new_cache()
@@ -811,6 +1089,15 @@ BAD_CONVERSATIONS = {
                               None, "tool call"),
     "tool-call-string": ([{"role": "assistant", "content": "", "tool_calls": ["f"]}], None,
                          "tool call"),
+    # the official template writes `arguments | tojson`: transformers fails on Undefined
+    "tool-call-no-arguments": ([{"role": "assistant", "content": "",
+                                 "tool_calls": [{"function": {"name": "f"}}]}], None,
+                               "'arguments'"),
+    "flat-tool-call-no-arguments": ([{"role": "assistant", "content": "",
+                                      "tool_calls": [{"name": "f"}]}], None, "'arguments'"),
+    "tool-arguments-null": ([{"role": "assistant", "content": "",
+                              "tool_calls": [{"function": {"name": "f", "arguments": None}}]}],
+                            None, "tool call"),
     "tool_calls-on-user": ([{"role": "user", "content": "", "tool_calls": []}], None,
                            "tool_calls"),
     "tools-string": ([{"role": "user", "content": "hi"}], "search", "tools"),
@@ -847,3 +1134,14 @@ def test_valid_conversations_still_render_as_the_official_template(tok):
     text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
     assert '{"name": "weather", "arguments": {"city": "Oslo"}}' in text
     assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_a_tool_call_without_arguments_fails_in_transformers_too():
+    """Why it is refused: the official template writes `arguments | tojson`, and transformers
+    cannot serialise the undefined value."""
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(VENDORED_QWEN3)
+    messages = BAD_CONVERSATIONS["tool-call-no-arguments"][0]
+    with pytest.raises(TypeError, match="Undefined"):
+        reference.apply_chat_template(messages, tokenize=False)
