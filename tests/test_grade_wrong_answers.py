@@ -191,6 +191,124 @@ EXTRA = [
     ),
 ]
 
+# Wrong answers that are right on the CPU in float32 and wrong where the models run: a bfloat16
+# input answered in float32, a tensor made without device=, an in-place update that breaks the
+# backward pass, a list where a generator yields, modules kept in a plain list (variants.py).
+BF16 = "a bfloat16 input must give a bfloat16 output"
+DEVICE = "not on its input's device"
+EXTRA += [
+    (
+        "ch01.causal_mask",
+        """def causal_mask(t_new, t_total, device=None):
+    q_pos = torch.arange(t_total - t_new, t_total)[:, None]  # no device=
+    return torch.arange(t_total)[None, :] <= q_pos""",
+        DEVICE,
+    ),
+    (
+        "ch01.attention",
+        """def attention(q, k, v, mask=None):
+    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v.float()  # float32 out of a bfloat16 input""",
+        BF16,
+    ),
+    (
+        "ch01.regroup_kv_heads",
+        """def regroup_kv_heads(w, head_dim, n_kv_new):
+    n_kv = w.shape[0] // head_dim
+    heads = w.reshape(n_kv, head_dim, *w.shape[1:])
+    if n_kv_new >= n_kv:
+        heads = heads.repeat_interleave(n_kv_new // n_kv, dim=0)
+    else:  # the mean in float32, never cast back
+        heads = heads.reshape(n_kv_new, n_kv // n_kv_new, head_dim, *w.shape[1:]).float().mean(1)
+    return heads.reshape(n_kv_new * head_dim, *w.shape[1:])""",
+        BF16,
+    ),
+    (
+        "ch01.DecoderLayer",
+        """class DecoderLayer(nn.Module):
+    def __init__(self, mixer_name, mixer, mlp, input_layernorm, post_attention_layernorm):
+        super().__init__()
+        self.mixer_name, self.input_layernorm = mixer_name, input_layernorm
+        self.add_module(mixer_name, mixer)
+        self.post_attention_layernorm, self.mlp = post_attention_layernorm, mlp
+
+    @property
+    def mixer(self):
+        return getattr(self, self.mixer_name)
+
+    def forward(self, x, cos, sin, cache=None):
+        h = x + self.mixer(self.input_layernorm(x), cos, sin, cache)
+        h += self.mlp(self.post_attention_layernorm(h))  # h was saved for the backward pass
+        return h""",
+        "the backward pass through your decoder layer fails",
+    ),
+    (
+        "ch01.decode",
+        """def decode(model, prompt_ids, max_new_tokens, choose=None, stop=()):
+    choose = choose or (lambda logits: int(logits.argmax()))
+    device, out = next(model.parameters()).device, []
+    cache = model.new_cache(batch_size=1)
+    ids = torch.tensor([prompt_ids], device=device)
+    for _ in range(max_new_tokens):
+        out.append(choose(model(ids, cache=cache, last_only=True)[0, -1]))
+        if out[-1] in stop:
+            break
+        ids = torch.tensor([[out[-1]]], device=device)
+    return out  # a list: every token made before the caller sees one""",
+        "must yield each item as it makes it",
+    ),
+    (
+        "ch05.decay_mask",
+        """def decay_mask(g_cum):
+    C = g_cum.shape[-1]
+    diff = g_cum[..., :, None] - g_cum[..., None, :]
+    future = torch.ones(C, C, dtype=torch.bool).triu(1)  # no device=
+    return diff.masked_fill(future, float("-inf")).exp()""",
+        DEVICE,
+    ),
+    (
+        "ch05.solve_unit_lower",
+        """def solve_unit_lower(A, rhs):
+    eye = torch.eye(A.shape[-1], dtype=A.dtype)  # no device=
+    return torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)""",
+        DEVICE,
+    ),
+    (
+        "ch05.pad_to_chunks",
+        """def pad_to_chunks(x, chunk_size, dim):
+    pad = -x.shape[dim] % chunk_size
+    if pad == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x, torch.zeros(shape, dtype=x.dtype)], dim=dim)  # no device=""",
+        DEVICE,
+    ),
+    (
+        "ch05.deltanet_gates",
+        """def deltanet_gates(b, a, A_log, dt_bias):
+    beta = b.sigmoid()
+    g = -A_log.float().exp() * F.softplus(a + dt_bias).float()  # softplus in the input's dtype
+    return beta, g""",
+        "softplus(a + dt_bias) must be computed in float32",
+    ),
+    (
+        "ch05.ZeroCentredRMSNorm",
+        """class ZeroCentredRMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.to(x.dtype) * (1 + self.weight)  # 1 + w in bfloat16""",
+        "1 + w (like the whole norm) must be computed in float32",
+    ),
+]
+
 CHAPTER_IDS = ["ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06"]
 
 
