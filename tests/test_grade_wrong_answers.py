@@ -260,6 +260,90 @@ EXTRA += [
         "must yield each item as it makes it",
     ),
     (
+        "ch03.split_mlp",
+        """from qwen_mini.mlp import MLP
+
+
+def split_mlp(mlp, num_experts):
+    H, I = mlp.gate_proj.in_features, mlp.gate_proj.out_features
+    width = I // num_experts
+    experts = []  # a plain list
+    for e in range(num_experts):
+        expert, rows = MLP(H, width), slice(e * width, (e + 1) * width)
+        with torch.no_grad():
+            expert.gate_proj.weight.copy_(mlp.gate_proj.weight[rows])
+            expert.up_proj.weight.copy_(mlp.up_proj.weight[rows])
+            expert.down_proj.weight.copy_(mlp.down_proj.weight[:, rows])
+        experts.append(expert.to(mlp.gate_proj.weight.dtype))
+    return experts""",
+        "came back as a plain Python list",
+    ),
+    (
+        "ch03.split_mlp",
+        """from qwen_mini.mlp import MLP
+
+
+def split_mlp(mlp, num_experts):
+    H, I = mlp.gate_proj.in_features, mlp.gate_proj.out_features
+    width = I // num_experts
+    experts = nn.ModuleList(MLP(H, width) for _ in range(num_experts))  # float32 whatever mlp is
+    with torch.no_grad():
+        for e, expert in enumerate(experts):
+            rows = slice(e * width, (e + 1) * width)
+            expert.gate_proj.weight.copy_(mlp.gate_proj.weight[rows])
+            expert.up_proj.weight.copy_(mlp.up_proj.weight[rows])
+            expert.down_proj.weight.copy_(mlp.down_proj.weight[:, rows])
+    return experts""",
+        BF16,
+    ),
+    (
+        "ch03.SparseMoeBlock",
+        """from qwen_mini.mlp import MLP
+from qwen_mini.moe import FusedExperts
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, hidden_size, intermediate_size, num_experts, top_k, norm_topk_prob=True,
+                 fused=False):
+        super().__init__()
+        H, I, E = hidden_size, intermediate_size, num_experts
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = FusedExperts(E, H, I) if fused else [MLP(H, I) for _ in range(E)]
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(self.gate(flat), -1, dtype=torch.float32)
+        w, idx = probs.topk(self.top_k, -1)
+        if self.norm_topk_prob:
+            w = w / w.sum(-1, keepdim=True)
+        w = w.to(x.dtype)
+        out = torch.zeros_like(flat)
+        for e in idx.unique().tolist():
+            token, slot = (idx == e).nonzero(as_tuple=True)
+            out.index_add_(0, token, self.experts[e](flat[token]) * w[token, slot, None])
+        return out.view(x.shape)""",
+        "parameters are not all registered",
+    ),
+    (
+        "ch03.routing_statistics",
+        """def routing_statistics(router_logits, k):
+    probs = torch.softmax(router_logits, -1, dtype=torch.float32)
+    E = probs.shape[-1]
+    counts = torch.zeros(E)  # no device=
+    counts.index_add_(0, probs.topk(k, -1).indices.reshape(-1), torch.ones(probs.shape[0] * k))
+    return counts, probs.sum(0), probs.shape[0]""",
+        DEVICE,
+    ),
+    (
+        "ch00.apply_rope",
+        """def apply_rope(x, cos, sin):
+    x, cos, sin = x.float(), cos.float(), sin.float()  # float32 whatever the model runs in
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin""",
+        BF16,
+    ),
+    (
         "ch05.decay_mask",
         """def decay_mask(g_cum):
     C = g_cum.shape[-1]

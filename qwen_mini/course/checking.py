@@ -166,11 +166,16 @@ def register(exercise_id: str, reference=None, points: float = 1, title: str = "
     _EXERCISES[exercise_id] = Exercise(exercise_id, reference, points, title, registered=True)
 
 
-def _add(exercise_id: str, hidden: bool, label: str, fn: Callable, variant: bool = False) -> None:
+def _add(
+    exercise_id: str, hidden: bool, label: str, fn: Callable, variant=False, first=False
+) -> None:
     entry = _entry(exercise_id)
     if label in {name for name, _ in entry.public + entry.hidden}:
         raise ValueError(f"{exercise_id}: two checks named {label!r} (a message must say which)")
     checks = entry.hidden if hidden else entry.public
+    if first:  # a variant that every case needs to hold (registration): before them all
+        checks.insert(0, (label, fn))
+        return
     if variant:
         entry.variant_labels.add(label)
         checks.append((label, fn))
@@ -229,7 +234,8 @@ def case(
 
         for spec in variants:
             v = kinds.of(spec)
-            _add(exercise_id, hidden, f"{name}, {v.label}", kinds.check_of(c, v), variant=True)
+            label = f"{name}, {v.label}"
+            _add(exercise_id, hidden, label, kinds.check_of(c, v), variant=True, first=v.first)
 
 
 def _plain_call(impl, *arguments):

@@ -60,6 +60,8 @@ class Variant:
     take: int = 3  # lazy: how many items the caller takes
     what: str = ""  # registered, backward, lazy: what the message calls the object
     name: str = ""  # what the check is called after the case's name (default: the kind's)
+    # run before the exercise's plain checks (registration, which every case's loading needs)
+    first: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -88,8 +90,8 @@ def meta(**kwargs) -> Variant:
     return Variant("meta", **kwargs)
 
 
-def registered(build: Callable, what: str = "module", name: str = "") -> Variant:
-    return Variant("registered", build=build, what=what, name=name)
+def registered(build: Callable, what="module", name: str = "", first: bool = False) -> Variant:
+    return Variant("registered", build=build, what=what, name=name, first=first)
 
 
 def lazy(build: Callable, take: int = 3, what: str = "generator", name: str = "") -> Variant:
@@ -185,9 +187,9 @@ def _bfloat16(c: checking.Case, v: Variant, obj) -> None:
         idea = checking._matching_mistake(vc, entry, got, seed)
         raise AssertionError(
             f"a {_short_dtype(theirs)} input must give a {_short_dtype(theirs)} output: "
-            f"{where} is {_short_dtype(mine)} (computed in {_short_dtype(mine)} and not cast "
-            "back? return the input's dtype, e.g. .to(x.dtype); the bfloat16 model fails at the "
-            "next layer otherwise)" + (f"; {idea}" if idea else "")
+            f"{where} is {_short_dtype(mine)} (made in {_short_dtype(mine)}, or computed in it "
+            "and not cast back? return the input's dtype, e.g. .to(x.dtype); a bfloat16 model "
+            "fails at its next layer otherwise)" + (f"; {idea}" if idea else "")
         )
     if v.float32:
         kind, what = v.float32
@@ -291,12 +293,20 @@ def _registered(c: checking.Case, v: Variant, obj) -> None:
     with torch.random.fork_rng(devices=[]), observing.here():
         torch.manual_seed(seed)
         theirs = v.build(entry.reference, *checking._inputs(c, seed))
+    if isinstance(mine, list | tuple | dict):
+        raise AssertionError(
+            f"the {v.what} came back as a plain Python {type(mine).__name__}: the modules in it "
+            "are invisible to state_dict(), .to() and the optimizer of a module holding it; "
+            "return an nn.ModuleList (nn.ModuleDict)"
+        )
     want, got = _floating(theirs.state_dict()), mine.state_dict()
     got = _floating(got) if isinstance(got, dict) else {}
     n_want, n_got = sum(t.numel() for t in want.values()), sum(t.numel() for t in got.values())
     missing = [k for k in want if k not in got]
     if missing or n_got < n_want:
-        named = f" lacks {missing[0]!r} ({len(missing)} of {len(want)} missing)" if missing else ""
+        named = (
+            f" lacks {missing[0]!r} ({len(missing)} of {len(want)} missing) and" if missing else ""
+        )
         raise AssertionError(
             f"the {v.what}'s parameters are not all registered: its state_dict(){named} holds "
             f"{n_got} values, the reference's {n_want}; a module kept in a plain Python list or "
