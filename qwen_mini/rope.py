@@ -16,7 +16,8 @@ def rope_cos_sin(
     Pair (i, i + head_dim/2) turns at frequency theta^(-2i/head_dim); angles are computed in
     float32 because positions in the tens of thousands lose whole radians in bfloat16.
     """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    steps = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
+    inv_freq = 1.0 / theta ** (steps / head_dim)  # on the positions' device, as all below
     angles = positions.float()[:, None] * inv_freq[None, :]  # [T, head_dim/2]
     angles = torch.cat([angles, angles], dim=-1)  # [T, head_dim]: both halves of a pair
     return angles.cos().to(dtype), angles.sin().to(dtype)

@@ -260,6 +260,55 @@ EXTRA += [
         "must yield each item as it makes it",
     ),
     (
+        "ch02.project_qk",
+        """def project_qk(attn, x, cos, sin):
+    B, T, _ = x.shape
+    q = attn.q_proj(x).view(B, T, attn.n_heads, -1).transpose(1, 2).float()  # float32 from here
+    k = attn.k_proj(x).view(B, T, attn.n_kv_heads, -1).transpose(1, 2).float()
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+
+    def rope(t):
+        t1, t2 = t.chunk(2, dim=-1)
+        return t * cos.float() + torch.cat([-t2, t1], dim=-1) * sin.float()
+
+    return rope(q), rope(k)""",
+        BF16,
+    ),
+    (
+        "ch04.prefill",
+        """def prefill(model, cache, cached, ids):
+    reused = 0
+    for a, b in zip(cached, ids):
+        if a != b:
+            break
+        reused += 1
+    reused = min(reused, len(ids) - 1)
+    cache.truncate(reused)
+    x = torch.tensor([ids[reused:]])  # no device=: the CPU, wherever the model is
+    with torch.no_grad():
+        logits = model(x, cache=cache, last_only=True)[0, -1]
+    return logits.float(), reused""",
+        DEVICE,
+    ),
+    (
+        "ch06.select_blocks",
+        """def select_blocks(scores, t_all, ratio, top_blocks):
+    B, T, n = scores.shape
+    keep = torch.zeros(B, T, t_all, dtype=torch.bool)  # no device=
+    for i in range(T):
+        t = t_all - T + i
+        complete = (t + 1) // ratio
+        k = min(top_blocks, complete)
+        if k:
+            top = scores[:, i, :complete].topk(k, dim=-1).indices  # [B, k]
+            for j in range(ratio):
+                keep[:, i].scatter_(-1, top * ratio + j, True)
+        keep[:, i, complete * ratio : t + 1] = True
+    return keep""",
+        DEVICE,
+    ),
+    (
         "ch03.split_mlp",
         """from qwen_mini.mlp import MLP
 

@@ -656,6 +656,7 @@ case(
     _cos_sin,
     atol=1e-6,
     rtol=1e-5,
+    variants=("meta",),
 )
 case(
     ANGLES,
