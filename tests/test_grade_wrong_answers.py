@@ -260,6 +260,23 @@ EXTRA += [
         "must yield each item as it makes it",
     ),
     (
+        "ch01.model_forward",
+        """from qwen_mini.rope_scaling import rotary_cos_sin
+
+
+def model_forward(model, input_ids, cache=None, last_only=False):
+    backbone = model.model
+    start = cache.length if cache is not None else 0
+    x = backbone.embed_tokens(input_ids)
+    positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+    cos, sin = rotary_cos_sin(model.config, positions)  # float32 for a bfloat16 model
+    for i, layer in enumerate(backbone.layers):
+        x = layer(x, cos, sin, cache.layers[i] if cache is not None else None)
+    x = backbone.norm(x)
+    return model.lm_head(x[:, -1:] if last_only else x)""",
+        BF16,
+    ),
+    (
         "ch02.project_qk",
         """def project_qk(attn, x, cos, sin):
     B, T, _ = x.shape

@@ -177,8 +177,9 @@ def _bfloat16(c: checking.Case, v: Variant, obj) -> None:
         raise
     except Exception as e:
         raise AssertionError(
-            f"with bfloat16 inputs, your code raised {_raised(e)} (a tensor made in float32 "
-            "meeting a bfloat16 one? make it in the input's dtype: dtype=x.dtype)"
+            f"with bfloat16 inputs, your code raised {_raised(e)} (a tensor made or left in "
+            "float32 meeting a bfloat16 one? a bfloat16 input must give a bfloat16 output: "
+            "make tensors in the input's dtype, dtype=x.dtype)"
         ) from None
     want = checking._result(vc, entry.reference, seed, ours=True)
     wrong = _dtype_difference(got, want)

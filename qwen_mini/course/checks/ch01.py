@@ -38,7 +38,7 @@ from qwen_mini.course.checking import (
 from qwen_mini.course.fakes.ch01 import Recorder, SpyCache, Watched
 from qwen_mini.course.lab import ch01 as lab
 from qwen_mini.course.observing import observe
-from qwen_mini.course.variants import backward, lazy, meta
+from qwen_mini.course.variants import backward, bfloat16, lazy, meta
 from qwen_mini.model import CausalLM
 from qwen_mini.norms import RMSNorm
 from qwen_mini.rope import apply_rope, rope_cos_sin
@@ -1316,8 +1316,8 @@ def _forward_run(model_forward, model, ids, cache=None, last_only=False):
     }
 
 
-def _forward_plain(model_forward, seed, B, T):
-    model = _tiny_model(seed)
+def _forward_plain(model_forward, seed, B, T, dtype=torch.float32):
+    model = _tiny_model(seed).to(dtype)
     ids = torch.randint(0, 64, (B, T), generator=seeded(seed + 1))
     out, stages = _forward_run(model_forward, model, ids)
     return stages | {"logits [B, T, vocab]": out}
@@ -1355,6 +1355,12 @@ def _forward_yarn(model_forward):
     return stages | {"logits of the YaRN-scaled model": out}
 
 
+# a bfloat16 model: the angles in bfloat16 like the embeddings (rotary_cos_sin(..., x.dtype));
+# positions made on the ids' device
+_FORWARD_VARIANTS = (
+    bfloat16(call=lambda f: _forward_plain(f, 70, 2, 5, torch.bfloat16)),
+    "meta",
+)
 for _name, _call, _hidden in [
     ("no cache: layers, positions, final norm, head", lambda f: _forward_plain(f, 70, 2, 5), False),
     (
@@ -1371,7 +1377,16 @@ for _name, _call, _hidden in [
         True,
     ),
 ]:
-    case(FORWARD, _name, lambda g: (), _call, atol=1e-5, rtol=1e-4, hidden=_hidden)
+    case(
+        FORWARD,
+        _name,
+        lambda g: (),
+        _call,
+        atol=1e-5,
+        rtol=1e-4,
+        hidden=_hidden,
+        variants=_FORWARD_VARIANTS if _name.startswith("no cache") else (),
+    )
 
 
 def forward_variant(kind):
