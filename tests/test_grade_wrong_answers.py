@@ -191,6 +191,274 @@ EXTRA = [
     ),
 ]
 
+# Wrong answers that are right on the CPU in float32 and wrong where the models run: a bfloat16
+# input answered in float32, a tensor made without device=, an in-place update that breaks the
+# backward pass, a list where a generator yields, modules kept in a plain list (variants.py).
+BF16 = "a bfloat16 input must give a bfloat16 output"
+DEVICE = "not on its input's device"
+EXTRA += [
+    (
+        "ch01.causal_mask",
+        """def causal_mask(t_new, t_total, device=None):
+    q_pos = torch.arange(t_total - t_new, t_total)[:, None]  # no device=
+    return torch.arange(t_total)[None, :] <= q_pos""",
+        DEVICE,
+    ),
+    (
+        "ch01.attention",
+        """def attention(q, k, v, mask=None):
+    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v.float()  # float32 out of a bfloat16 input""",
+        BF16,
+    ),
+    (
+        "ch01.regroup_kv_heads",
+        """def regroup_kv_heads(w, head_dim, n_kv_new):
+    n_kv = w.shape[0] // head_dim
+    heads = w.reshape(n_kv, head_dim, *w.shape[1:])
+    if n_kv_new >= n_kv:
+        heads = heads.repeat_interleave(n_kv_new // n_kv, dim=0)
+    else:  # the mean in float32, never cast back
+        heads = heads.reshape(n_kv_new, n_kv // n_kv_new, head_dim, *w.shape[1:]).float().mean(1)
+    return heads.reshape(n_kv_new * head_dim, *w.shape[1:])""",
+        BF16,
+    ),
+    (
+        "ch01.DecoderLayer",
+        """class DecoderLayer(nn.Module):
+    def __init__(self, mixer_name, mixer, mlp, input_layernorm, post_attention_layernorm):
+        super().__init__()
+        self.mixer_name, self.input_layernorm = mixer_name, input_layernorm
+        self.add_module(mixer_name, mixer)
+        self.post_attention_layernorm, self.mlp = post_attention_layernorm, mlp
+
+    @property
+    def mixer(self):
+        return getattr(self, self.mixer_name)
+
+    def forward(self, x, cos, sin, cache=None):
+        h = x + self.mixer(self.input_layernorm(x), cos, sin, cache)
+        h += self.mlp(self.post_attention_layernorm(h))  # h was saved for the backward pass
+        return h""",
+        "the backward pass through your decoder layer fails",
+    ),
+    (
+        "ch01.decode",
+        """def decode(model, prompt_ids, max_new_tokens, choose=None, stop=()):
+    choose = choose or (lambda logits: int(logits.argmax()))
+    device, out = next(model.parameters()).device, []
+    cache = model.new_cache(batch_size=1)
+    ids = torch.tensor([prompt_ids], device=device)
+    for _ in range(max_new_tokens):
+        out.append(choose(model(ids, cache=cache, last_only=True)[0, -1]))
+        if out[-1] in stop:
+            break
+        ids = torch.tensor([[out[-1]]], device=device)
+    return out  # a list: every token made before the caller sees one""",
+        "must yield each item as it makes it",
+    ),
+    (
+        "ch01.model_forward",
+        """from qwen_mini.rope_scaling import rotary_cos_sin
+
+
+def model_forward(model, input_ids, cache=None, last_only=False):
+    backbone = model.model
+    start = cache.length if cache is not None else 0
+    x = backbone.embed_tokens(input_ids)
+    positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+    cos, sin = rotary_cos_sin(model.config, positions)  # float32 for a bfloat16 model
+    for i, layer in enumerate(backbone.layers):
+        x = layer(x, cos, sin, cache.layers[i] if cache is not None else None)
+    x = backbone.norm(x)
+    return model.lm_head(x[:, -1:] if last_only else x)""",
+        BF16,
+    ),
+    (
+        "ch02.project_qk",
+        """def project_qk(attn, x, cos, sin):
+    B, T, _ = x.shape
+    q = attn.q_proj(x).view(B, T, attn.n_heads, -1).transpose(1, 2).float()  # float32 from here
+    k = attn.k_proj(x).view(B, T, attn.n_kv_heads, -1).transpose(1, 2).float()
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+
+    def rope(t):
+        t1, t2 = t.chunk(2, dim=-1)
+        return t * cos.float() + torch.cat([-t2, t1], dim=-1) * sin.float()
+
+    return rope(q), rope(k)""",
+        BF16,
+    ),
+    (
+        "ch04.prefill",
+        """def prefill(model, cache, cached, ids):
+    reused = 0
+    for a, b in zip(cached, ids):
+        if a != b:
+            break
+        reused += 1
+    reused = min(reused, len(ids) - 1)
+    cache.truncate(reused)
+    x = torch.tensor([ids[reused:]])  # no device=: the CPU, wherever the model is
+    with torch.no_grad():
+        logits = model(x, cache=cache, last_only=True)[0, -1]
+    return logits.float(), reused""",
+        DEVICE,
+    ),
+    (
+        "ch06.select_blocks",
+        """def select_blocks(scores, t_all, ratio, top_blocks):
+    B, T, n = scores.shape
+    keep = torch.zeros(B, T, t_all, dtype=torch.bool)  # no device=
+    for i in range(T):
+        t = t_all - T + i
+        complete = (t + 1) // ratio
+        k = min(top_blocks, complete)
+        if k:
+            top = scores[:, i, :complete].topk(k, dim=-1).indices  # [B, k]
+            for j in range(ratio):
+                keep[:, i].scatter_(-1, top * ratio + j, True)
+        keep[:, i, complete * ratio : t + 1] = True
+    return keep""",
+        DEVICE,
+    ),
+    (
+        "ch03.split_mlp",
+        """from qwen_mini.mlp import MLP
+
+
+def split_mlp(mlp, num_experts):
+    H, I = mlp.gate_proj.in_features, mlp.gate_proj.out_features
+    width = I // num_experts
+    experts = []  # a plain list
+    for e in range(num_experts):
+        expert, rows = MLP(H, width), slice(e * width, (e + 1) * width)
+        with torch.no_grad():
+            expert.gate_proj.weight.copy_(mlp.gate_proj.weight[rows])
+            expert.up_proj.weight.copy_(mlp.up_proj.weight[rows])
+            expert.down_proj.weight.copy_(mlp.down_proj.weight[:, rows])
+        experts.append(expert.to(mlp.gate_proj.weight.dtype))
+    return experts""",
+        "came back as a plain Python list",
+    ),
+    (
+        "ch03.split_mlp",
+        """from qwen_mini.mlp import MLP
+
+
+def split_mlp(mlp, num_experts):
+    H, I = mlp.gate_proj.in_features, mlp.gate_proj.out_features
+    width = I // num_experts
+    experts = nn.ModuleList(MLP(H, width) for _ in range(num_experts))  # float32 whatever mlp is
+    with torch.no_grad():
+        for e, expert in enumerate(experts):
+            rows = slice(e * width, (e + 1) * width)
+            expert.gate_proj.weight.copy_(mlp.gate_proj.weight[rows])
+            expert.up_proj.weight.copy_(mlp.up_proj.weight[rows])
+            expert.down_proj.weight.copy_(mlp.down_proj.weight[:, rows])
+    return experts""",
+        BF16,
+    ),
+    (
+        "ch03.SparseMoeBlock",
+        """from qwen_mini.mlp import MLP
+from qwen_mini.moe import FusedExperts
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, hidden_size, intermediate_size, num_experts, top_k, norm_topk_prob=True,
+                 fused=False):
+        super().__init__()
+        H, I, E = hidden_size, intermediate_size, num_experts
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = FusedExperts(E, H, I) if fused else [MLP(H, I) for _ in range(E)]
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(self.gate(flat), -1, dtype=torch.float32)
+        w, idx = probs.topk(self.top_k, -1)
+        if self.norm_topk_prob:
+            w = w / w.sum(-1, keepdim=True)
+        w = w.to(x.dtype)
+        out = torch.zeros_like(flat)
+        for e in idx.unique().tolist():
+            token, slot = (idx == e).nonzero(as_tuple=True)
+            out.index_add_(0, token, self.experts[e](flat[token]) * w[token, slot, None])
+        return out.view(x.shape)""",
+        "parameters are not all registered",
+    ),
+    (
+        "ch03.routing_statistics",
+        """def routing_statistics(router_logits, k):
+    probs = torch.softmax(router_logits, -1, dtype=torch.float32)
+    E = probs.shape[-1]
+    counts = torch.zeros(E)  # no device=
+    counts.index_add_(0, probs.topk(k, -1).indices.reshape(-1), torch.ones(probs.shape[0] * k))
+    return counts, probs.sum(0), probs.shape[0]""",
+        DEVICE,
+    ),
+    (
+        "ch00.apply_rope",
+        """def apply_rope(x, cos, sin):
+    x, cos, sin = x.float(), cos.float(), sin.float()  # float32 whatever the model runs in
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin""",
+        BF16,
+    ),
+    (
+        "ch05.decay_mask",
+        """def decay_mask(g_cum):
+    C = g_cum.shape[-1]
+    diff = g_cum[..., :, None] - g_cum[..., None, :]
+    future = torch.ones(C, C, dtype=torch.bool).triu(1)  # no device=
+    return diff.masked_fill(future, float("-inf")).exp()""",
+        DEVICE,
+    ),
+    (
+        "ch05.solve_unit_lower",
+        """def solve_unit_lower(A, rhs):
+    eye = torch.eye(A.shape[-1], dtype=A.dtype)  # no device=
+    return torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)""",
+        DEVICE,
+    ),
+    (
+        "ch05.pad_to_chunks",
+        """def pad_to_chunks(x, chunk_size, dim):
+    pad = -x.shape[dim] % chunk_size
+    if pad == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x, torch.zeros(shape, dtype=x.dtype)], dim=dim)  # no device=""",
+        DEVICE,
+    ),
+    (
+        "ch05.deltanet_gates",
+        """def deltanet_gates(b, a, A_log, dt_bias):
+    beta = b.sigmoid()
+    g = -A_log.float().exp() * F.softplus(a + dt_bias).float()  # softplus in the input's dtype
+    return beta, g""",
+        "softplus(a + dt_bias) must be computed in float32",
+    ),
+    (
+        "ch05.ZeroCentredRMSNorm",
+        """class ZeroCentredRMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.to(x.dtype) * (1 + self.weight)  # 1 + w in bfloat16""",
+        "1 + w (like the whole norm) must be computed in float32",
+    ),
+]
+
 CHAPTER_IDS = ["ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06"]
 
 

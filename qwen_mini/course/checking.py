@@ -91,6 +91,7 @@ class Exercise:
     hidden: list[tuple[str, Callable]] = field(default_factory=list)
     mistakes: dict[str, Mistake] = field(default_factory=dict)
     registered: bool = False
+    variant_labels: set[str] = field(default_factory=set)  # checks run after the plain ones
 
 
 @dataclass(frozen=True)
@@ -165,11 +166,24 @@ def register(exercise_id: str, reference=None, points: float = 1, title: str = "
     _EXERCISES[exercise_id] = Exercise(exercise_id, reference, points, title, registered=True)
 
 
-def _add(exercise_id: str, hidden: bool, label: str, fn: Callable) -> None:
+def _add(
+    exercise_id: str, hidden: bool, label: str, fn: Callable, variant=False, first=False
+) -> None:
     entry = _entry(exercise_id)
     if label in {name for name, _ in entry.public + entry.hidden}:
         raise ValueError(f"{exercise_id}: two checks named {label!r} (a message must say which)")
-    (entry.hidden if hidden else entry.public).append((label, fn))
+    checks = entry.hidden if hidden else entry.public
+    if first:  # a variant that every case needs to hold (registration): before them all
+        checks.insert(0, (label, fn))
+        return
+    if variant:
+        entry.variant_labels.add(label)
+        checks.append((label, fn))
+        return
+    # a plain check goes before the variants (variants.py): a wrong answer hears about its
+    # values first, then about the dtypes, devices and uses the models put it to
+    at = next((i for i, (n, _) in enumerate(checks) if n in entry.variant_labels), len(checks))
+    checks.insert(at, (label, fn))
 
 
 def _check_function(exercise_id: str, which: str, name: str | None):
@@ -207,11 +221,21 @@ def case(
     rtol: float = 0.0,
     seed: int = 0,
     hidden: bool = False,
+    variants: tuple = (),
 ) -> None:
     """Declare a case: `inputs(generator)` gives the arguments, `call(impl, *arguments)` what is
-    compared (default `impl(*arguments)`) with the reference's, or with `expected(*arguments)`."""
+    compared (default `impl(*arguments)`) with the reference's, or with `expected(*arguments)`.
+    `variants`: the ways the case runs again as the models run it (bfloat16, the meta device, a
+    backward pass...: see variants.py), each a check after the exercise's plain ones."""
     c = Case(exercise_id, name, inputs, call or _plain_call, expected, atol, rtol, seed, hidden)
     _add(exercise_id, hidden, name, lambda obj: _run_case(c, obj))
+    if variants:
+        from . import variants as kinds
+
+        for spec in variants:
+            v = kinds.of(spec)
+            label = f"{name}, {v.label}"
+            _add(exercise_id, hidden, label, kinds.check_of(c, v), variant=True, first=v.first)
 
 
 def _plain_call(impl, *arguments):

@@ -93,6 +93,19 @@ class Overflows(torch.overrides.TorchFunctionMode):
             yield
 
 
+class DefaultDevice:
+    """Not an observation but a condition: the code inside runs with torch's default device set
+    to `meta`, so a tensor it makes without `device=` is not on its inputs' device (variants.py).
+    Made where the code runs, like the observations."""
+
+    value = None
+
+    @contextlib.contextmanager
+    def around(self):
+        with torch.device("meta"):
+            yield
+
+
 OBSERVERS = {
     "softmax_dtypes": lambda: ComputeDtypes(("softmax",)),
     # the square, the mean (or sum) of squares and the root, however they are spelled
@@ -101,11 +114,20 @@ OBSERVERS = {
     ),
     "peak_memory": PeakMemory,
     "overflows": Overflows,
+    "default_device_meta": DefaultDevice,
+    # the float32 steps of a bfloat16 run (variants.py): softplus, 1 + w
+    "softplus_dtypes": lambda: ComputeDtypes(("softplus",)),
+    "add_dtypes": lambda: ComputeDtypes(("add", "__add__", "__radd__", "add_", "__iadd__")),
 }
 
 _sandbox = None  # while the grader runs checks: kind -> a context manager observing there
 _remote_gradients = None  # ... and (fn, args) -> fn's result and gradients, computed there
 _grad = torch.autograd.grad  # as it was before any learner code ran
+
+
+def graded() -> bool:
+    """Whether the code under test runs in the grader's sandbox (not in this process)."""
+    return _sandbox is not None
 
 
 def new(kind: str):

@@ -25,6 +25,7 @@ from qwen_mini.config import ASSETS, Config
 from qwen_mini.course.checking import between, case, mistake, named, randn, register
 from qwen_mini.course.lab import ch00 as lab
 from qwen_mini.course.observing import observe
+from qwen_mini.course.variants import bfloat16
 from qwen_mini.model import CausalLM
 
 register(
@@ -519,6 +520,16 @@ def _mlp_output(MLP, weights, x):
         return m(x)
 
 
+def _mlp_output_cast(MLP, weights, x):
+    """The block made in the input's dtype, as a bfloat16 checkpoint is loaded."""
+    inter, hidden = weights["gate_proj.weight"].shape
+    m = MLP(hidden, inter)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(weights.get(name, torch.zeros_like(p)))
+        return m.to(x.dtype)(x)
+
+
 def _unit_weights(hidden=1, inter=1):
     return lambda g: (
         {k: torch.ones_like(v) for k, v in _mlp_inputs(hidden, inter)(g)[0].items()},
@@ -527,7 +538,15 @@ def _unit_weights(hidden=1, inter=1):
 
 
 case(MLP, "parameters", lambda g: (), _mlp_shapes)
-case(MLP, "MLP(8, 16) with given weights", _mlp_inputs(8, 16), _mlp_output, atol=1e-6, rtol=1e-5)
+case(
+    MLP,
+    "MLP(8, 16) with given weights",
+    _mlp_inputs(8, 16),
+    _mlp_output,
+    atol=1e-6,
+    rtol=1e-5,
+    variants=(bfloat16(call=_mlp_output_cast),),
+)
 case(
     MLP,
     "MLP(1, 1) with unit weights: x^2 * sigmoid(x)",
@@ -637,6 +656,7 @@ case(
     _cos_sin,
     atol=1e-6,
     rtol=1e-5,
+    variants=("meta",),
 )
 case(
     ANGLES,
@@ -758,7 +778,14 @@ case(
         "x after the call (not modified in place)": x,
     },
 )
-case(ROTATE, "a [2, 3, 5, 8] tensor", lambda g: (randn(2, 3, 5, 8, g=g),), _rotated, seed=9)
+case(
+    ROTATE,
+    "a [2, 3, 5, 8] tensor",
+    lambda g: (randn(2, 3, 5, 8, g=g),),
+    _rotated,
+    seed=9,
+    variants=("bfloat16",),
+)
 case(
     ROTATE,
     "other shapes",
@@ -817,6 +844,7 @@ case(
     atol=1e-6,
     rtol=1e-5,
     seed=11,
+    variants=("bfloat16",),
 )
 case(
     APPLY,

@@ -38,6 +38,7 @@ from qwen_mini.course.checking import (
 from qwen_mini.course.fakes.ch01 import Recorder, SpyCache, Watched
 from qwen_mini.course.lab import ch01 as lab
 from qwen_mini.course.observing import observe
+from qwen_mini.course.variants import backward, bfloat16, lazy, meta
 from qwen_mini.model import CausalLM
 from qwen_mini.norms import RMSNorm
 from qwen_mini.rope import apply_rope, rope_cos_sin
@@ -113,7 +114,15 @@ def _allowed(*rows):
     return lambda t_new, t_total: torch.tensor(rows, dtype=torch.bool)
 
 
-case(MASK, "causal_mask(3, 3)", lambda g: (3, 3), _mask, _allowed([1, 0, 0], [1, 1, 0], [1, 1, 1]))
+case(
+    MASK,
+    "causal_mask(3, 3)",
+    lambda g: (3, 3),
+    _mask,
+    _allowed([1, 0, 0], [1, 1, 0], [1, 1, 1]),
+    # asked for the CPU, with the default device elsewhere: the mask must follow device=
+    variants=(meta(call=lambda causal_mask, a, b: causal_mask(a, b, device="cpu")),),
+)
 # two new queries at positions 3 and 4, after 3 cached keys: both see the cache
 case(
     MASK,
@@ -315,6 +324,7 @@ case(
     atol=1e-5,
     rtol=1e-5,
     seed=62,
+    variants=("bfloat16", "meta"),
 )
 case(
     ATTENTION,
@@ -449,7 +459,13 @@ def _numbered_heads(n):  # KV head i holds the number i
 
 
 case(REPEAT, "repeat_kv(heads [0, 1, 2], 2): query head h uses KV head h // 2", _numbered_heads(3))
-case(REPEAT, "repeat_kv([2, 4, 5, 8], 2)", lambda g: (randn(2, 4, 5, 8, g=g), 2), seed=18)
+case(
+    REPEAT,
+    "repeat_kv([2, 4, 5, 8], 2)",
+    lambda g: (randn(2, 4, 5, 8, g=g), 2),
+    seed=18,
+    variants=("bfloat16",),
+)
 case(REPEAT, "n_rep = 1 changes nothing", lambda g: (randn(1, 3, 4, 6, g=g), 1), hidden=True)
 case(
     REPEAT,
@@ -1001,6 +1017,7 @@ for n_kv in (8, 2, 4):
         atol=1e-6,
         rtol=1e-6,
         seed=30,
+        variants=("bfloat16",) if n_kv < 4 else (),  # a mean in float32, cast back
     )
 case(REGROUP, "a bias, 4 -> 8 heads", lambda g: (randn(4 * 8, g=g), 8, 8), seed=31)
 
@@ -1137,15 +1154,30 @@ def _layer_run(DecoderLayer, mixer_name, B, T, dim, seed):
     }
 
 
-def _layer_case(name, mixer_name, B, T, dim, seed, hidden=False):
+def _layer_case(name, mixer_name, B, T, dim, seed, hidden=False, variants=()):
     def call(DecoderLayer):
         return _layer_run(DecoderLayer, mixer_name, B, T, dim, seed)
 
-    case(LAYER, name, lambda g: (), call, atol=1e-5, rtol=1e-4, hidden=hidden)
+    case(LAYER, name, lambda g: (), call, atol=1e-5, rtol=1e-4, hidden=hidden, variants=variants)
+
+
+def _trained_layer(DecoderLayer):
+    """A layer and its arguments, for a backward pass (the chapter trains through it)."""
+    mixer, mlp, n1, n2 = _layer_parts(8, 41)
+    layer = DecoderLayer("self_attn", mixer, mlp, n1, n2)
+    return layer, (randn(2, 3, 8, seed=45), randn(3, 4, seed=46), randn(3, 4, seed=47), None)
 
 
 case(LAYER, "the parts under the checkpoint's names", lambda g: (), _layer_names)
-_layer_case("what each branch reads, and the two residuals", "self_attn", 1, 3, 8, 41)
+_layer_case(
+    "what each branch reads, and the two residuals",
+    "self_attn",
+    1,
+    3,
+    8,
+    41,
+    variants=(backward(_trained_layer, what="decoder layer"),),
+)
 _layer_case("a linear_attn mixer, batch 2", "linear_attn", 2, 5, 12, 51, hidden=True)
 _layer_case("one token, batch 3", "self_attn", 3, 1, 6, 61, hidden=True)
 
@@ -1284,8 +1316,8 @@ def _forward_run(model_forward, model, ids, cache=None, last_only=False):
     }
 
 
-def _forward_plain(model_forward, seed, B, T):
-    model = _tiny_model(seed)
+def _forward_plain(model_forward, seed, B, T, dtype=torch.float32):
+    model = _tiny_model(seed).to(dtype)
     ids = torch.randint(0, 64, (B, T), generator=seeded(seed + 1))
     out, stages = _forward_run(model_forward, model, ids)
     return stages | {"logits [B, T, vocab]": out}
@@ -1323,6 +1355,12 @@ def _forward_yarn(model_forward):
     return stages | {"logits of the YaRN-scaled model": out}
 
 
+# a bfloat16 model: the angles in bfloat16 like the embeddings (rotary_cos_sin(..., x.dtype));
+# positions made on the ids' device
+_FORWARD_VARIANTS = (
+    bfloat16(call=lambda f: _forward_plain(f, 70, 2, 5, torch.bfloat16)),
+    "meta",
+)
 for _name, _call, _hidden in [
     ("no cache: layers, positions, final norm, head", lambda f: _forward_plain(f, 70, 2, 5), False),
     (
@@ -1339,7 +1377,16 @@ for _name, _call, _hidden in [
         True,
     ),
 ]:
-    case(FORWARD, _name, lambda g: (), _call, atol=1e-5, rtol=1e-4, hidden=_hidden)
+    case(
+        FORWARD,
+        _name,
+        lambda g: (),
+        _call,
+        atol=1e-5,
+        rtol=1e-4,
+        hidden=_hidden,
+        variants=_FORWARD_VARIANTS if _name.startswith("no cache") else (),
+    )
 
 
 def forward_variant(kind):
@@ -1617,14 +1664,14 @@ def _decode_run(decode, seed, prompt_len, n, choose=None, stop=None, stop_at=Non
     }
 
 
-def _decode_case(name, *args, hidden=False, **kwargs):
+def _decode_case(name, *args, hidden=False, variants=(), **kwargs):
     def call(decode):
         return _decode_run(decode, *args, **kwargs)
 
     def expected():  # how the package calls the model; the tokens recomputed without a cache
         return _decode_run(dec.decode, *args, **kwargs) | _decode_tokens(*args, **kwargs)
 
-    case(DECODE, name, lambda g: (), call, expected, hidden=hidden)
+    case(DECODE, name, lambda g: (), call, expected, hidden=hidden, variants=variants)
 
 
 def _decode_tokens(seed, prompt_len, n, choose=None, stop=None, stop_at=None):
@@ -1637,7 +1684,20 @@ def _decode_tokens(seed, prompt_len, n, choose=None, stop=None, stop_at=None):
     return {f"the tokens ({what}; prompt of {prompt_len})": tokens}
 
 
-_decode_case("greedy, 6 tokens after a prompt of 5", 90, 5, 6)
+def _first_tokens(decode):
+    """A generation of 40 tokens, and the model calls it has made so far."""
+    watched = Watched(_tiny_model(90))
+    prompt = torch.randint(0, 64, (5,), generator=seeded(91)).tolist()
+    return decode(watched, prompt, 40), lambda: len(watched.calls)
+
+
+_decode_case(
+    "greedy, 6 tokens after a prompt of 5",
+    90,
+    5,
+    6,
+    variants=(lazy(_first_tokens, take=3, what="generation", name="3 of 40 tokens taken"),),
+)
 _decode_case("0 tokens asked for", 91, 3, 0)
 _decode_case("choose picks the second best", 92, 4, 5, choose=_second_best)
 _decode_case("a stop id reached at step 2", 93, 3, 8, stop_at=2)

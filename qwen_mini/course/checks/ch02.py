@@ -236,7 +236,14 @@ def _terms_hidden(g):
     return _terms_inputs(between(g, 1, 8), between(g, 1, 8), 4 * between(g, 1, 16))(g)
 
 
-case("ch02.bias_logit_terms", "3 queries, 5 keys", _terms_inputs(3, 5, 8), atol=1e-4, rtol=1e-4)
+case(
+    "ch02.bias_logit_terms",
+    "3 queries, 5 keys",
+    _terms_inputs(3, 5, 8),
+    atol=1e-4,
+    rtol=1e-4,
+    variants=("bfloat16",),
+)
 for n in range(3):
     case(
         "ch02.bias_logit_terms",
@@ -289,7 +296,14 @@ def _rope_hidden(g):
     return _rope_inputs(between(g, 2, 12), 4 * between(g, 1, 8), theta)(g)
 
 
-case("ch02.rope_bias_term", "6 positions", _rope_inputs(6, 8, 1e4), atol=1e-4, rtol=1e-3)
+case(
+    "ch02.rope_bias_term",
+    "6 positions",
+    _rope_inputs(6, 8, 1e4),
+    atol=1e-4,
+    rtol=1e-3,
+    variants=("meta",),
+)
 for n in range(3):
     case(
         "ch02.rope_bias_term",
@@ -399,6 +413,7 @@ case(
     _layer_inputs("qwen3", 2, 5),
     _qk,
     **tol,
+    variants=("bfloat16", "meta"),
 )
 case(
     "ch02.project_qk",

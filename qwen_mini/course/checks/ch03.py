@@ -19,6 +19,7 @@ from qwen_mini.course.checking import between, case, mistake, named, randn, regi
 from qwen_mini.course.fakes.ch03 import CountedFused, CountedMLP, CountingExpert
 from qwen_mini.course.lab import ch03 as lab
 from qwen_mini.course.observing import gradients
+from qwen_mini.course.variants import registered
 from qwen_mini.mlp import MLP
 
 register("ch03.route", reference=ref.route, points=2, title="Router: softmax, top-k, renormalise")
@@ -262,6 +263,7 @@ case(
     _dispatched,
     atol=1e-5,
     seed=20,
+    variants=("meta",),
 )
 
 
@@ -443,6 +445,7 @@ case(
     atol=1e-6,
     rtol=1e-5,
     seed=42,
+    variants=("bfloat16",),
 )
 case(
     "ch03.shared_expert_output",
@@ -514,6 +517,7 @@ case(
     _statistics,
     atol=1e-5,
     seed=50,
+    variants=("meta",),
 )
 
 
@@ -685,6 +689,7 @@ case(
     atol=1e-6,
     rtol=1e-5,
     seed=60,
+    variants=("meta",),
 )
 case(
     "ch03.load_balancing_loss",
@@ -926,6 +931,10 @@ case(
     _dense(6, 12, 3),
     _split,
     seed=100,
+    variants=(
+        "bfloat16",
+        registered(lambda split_mlp, dense, E: split_mlp(dense, E), what="list of experts"),
+    ),
 )
 case(
     "ch03.split_mlp",
@@ -1038,6 +1047,12 @@ def _moe_hidden(shared):
     return inputs
 
 
+# every case loads weights into the block: its experts must be registered first
+_BLOCK_REGISTERED = registered(
+    lambda block_class, args, weights, x: block_class(*args), what="block", first=True
+)
+
+
 def _moe_run(block_class, args, weights, x):
     """The learner's block with the given weights: its output, and how often and on how many
     rows each routed expert ran (counted in forward)."""
@@ -1079,6 +1094,7 @@ case(
     atol=1e-5,
     rtol=1e-5,
     seed=110,
+    variants=(_BLOCK_REGISTERED,),
 )
 case(
     MOE,
@@ -1239,6 +1255,7 @@ case(
     atol=1e-5,
     rtol=1e-5,
     seed=120,
+    variants=(_BLOCK_REGISTERED,),
 )
 case(
     SHARED,

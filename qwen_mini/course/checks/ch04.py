@@ -1347,10 +1347,11 @@ def _reencoded(reused):
     return expected
 
 
-def prefill_case(name, cached, ids, reused, dtype="float32", hidden=False):
+def prefill_case(name, cached, ids, reused, dtype="float32", hidden=False, variants=()):
     tol = 2e-2 if dtype == "bfloat16" else 1e-4  # bf16: one rounding of 8 bits, cut differently
     inputs = _prefill_inputs(cached, ids, dtype)
-    case(PREFILL, name, inputs, _prefill, _reencoded(reused), tol, tol, hidden=hidden)
+    expected = _reencoded(reused)
+    case(PREFILL, name, inputs, _prefill, expected, tol, tol, hidden=hidden, variants=variants)
 
 
 # a conversation in a vocabulary of 64: the prompt, the reply with its reasoning (30 31 32 in
@@ -1358,7 +1359,9 @@ def prefill_case(name, cached, ids, reused, dtype="float32", hidden=False):
 _P = [1, 2, 3, 4, 5]
 _REPLY = [40, 30, 31, 32, 41, 20, 21]
 _NEXT = _P + [20, 21, 6, 1, 7, 8, 9]
-prefill_case("the new prompt extends what the cache holds", _P, _P + [6, 7, 8], 5)
+prefill_case(
+    "the new prompt extends what the cache holds", _P, _P + [6, 7, 8], 5, variants=("meta",)
+)
 prefill_case(
     "the cache holds the last reply WITH its reasoning, the new prompt writes it without: reuse "
     "the common prefix, cut the cache there, compute the rest",

@@ -200,6 +200,7 @@ case(
     expected=naive_scores,
     atol=1e-5,
     rtol=1e-5,
+    variants=("meta",),
 )
 case(
     SCORES,
@@ -281,6 +282,7 @@ case(
     "a prompt of 18 tokens, blocks of 3, top 2",
     _select_inputs(2, 18, 18, 3, 2),
     expected=naive_select,
+    variants=("meta",),
 )
 case(
     SELECT,
@@ -416,7 +418,15 @@ def naive_read(h_hat, w_down, w_up):
     return out.to(h_hat.dtype)
 
 
-case(READ, "2 streams of 4, rank 3", _read_inputs(), expected=naive_read, atol=1e-5, rtol=1e-5)
+case(
+    READ,
+    "2 streams of 4, rank 3",
+    _read_inputs(),
+    expected=naive_read,
+    atol=1e-5,
+    rtol=1e-5,
+    variants=("meta",),
+)
 case(
     READ,
     "3 streams of 2, rank 1",
@@ -507,7 +517,15 @@ def naive_write(h, h_hat, y, w_inject):
     return out.to(h.dtype)
 
 
-case(WRITE, "3 streams of 4", _write_inputs(), expected=naive_write, atol=1e-5, rtol=1e-5)
+case(
+    WRITE,
+    "3 streams of 4",
+    _write_inputs(),
+    expected=naive_write,
+    atol=1e-5,
+    rtol=1e-5,
+    variants=("meta",),
+)
 case(
     WRITE,
     "2 streams of 6",
@@ -598,7 +616,13 @@ def naive_shift(tokens, shift, eos):
 
 SENTENCE = torch.tensor([[7, 8, 3, 9, 10, 11, 3, 12], [3, 5, 6, 3, 3, 8, 9, 10]])
 case(SHIFT, "one back, eos inside", lambda g: (SENTENCE, 1, EOS), expected=naive_shift)
-case(SHIFT, "two back: reset after eos", lambda g: (SENTENCE, 2, EOS), expected=naive_shift)
+case(
+    SHIFT,
+    "two back: reset after eos",
+    lambda g: (SENTENCE, 2, EOS),
+    expected=naive_shift,
+    variants=("meta",),
+)
 case(SHIFT, "three back", lambda g: (SENTENCE, 3, EOS), expected=naive_shift)
 case(
     SHIFT,

@@ -284,7 +284,9 @@ class Codec:
         return {"t": "ref", "side": self.side, "h": self.handle(obj), "type": str(name)[:100]}
 
     def _tensor(self, value: torch.Tensor) -> dict:
-        if value.layout != torch.strided or value.is_meta or value.is_quantized:
+        if value.is_meta:  # made without device= while the default device was meta
+            return {"t": "bad", "v": "a tensor on the meta device"}
+        if value.layout != torch.strided or value.is_quantized:
             return {"t": "bad", "v": f"a {value.layout} tensor (expected a dense one)"}
         name = str(value.dtype).removeprefix("torch.")
         if name not in DTYPES:
@@ -535,8 +537,8 @@ class Codec:
         dt = DTYPES[dtype]
         size = torch.empty((), dtype=dt).element_size()
         _need(len(raw) == numel * size, value)
-        if numel == 0:
-            tensor = torch.empty(shape, dtype=dt)
+        if numel == 0:  # on the CPU whatever the default device (a check may set it)
+            tensor = torch.empty(shape, dtype=dt, device="cpu")
         elif dt is torch.bool:
             tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8).ne(0).reshape(shape)
         else:
