@@ -20,7 +20,7 @@ exercise ids is used. An exercise is data: its cases and a catalogue of its typi
         return x.repeat(1, n, 1, 1)
 
 A case draws its inputs from a generator (public cases: a fixed seed, so the learner sees the same
-message every run; hidden ones: seeded with a secret, per process or the grader's course secret: `new_secret`),
+message every run; hidden ones: seeded with a secret, see `new_secret`),
 calls the implementation on fresh copies of them (`call`, by default `impl(*inputs)`: a small
 function may build a module, fill a model, run a cache and return what to compare), and compares
 the result with the reference's, or with a hand-derived `expected(*inputs)`, through
