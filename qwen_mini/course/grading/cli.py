@@ -180,7 +180,8 @@ def course_secret(path: Path | None, new: bool = False) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
-        raise GraderError(f"the course secret {name}: {e.strerror}") from None
+        why = "is a symbolic link: name the file itself" if path.is_symlink() else e.strerror
+        raise GraderError(f"the course secret {name}: {why}") from None
     with open(fd, encoding="ascii", errors="replace") as f:
         st, text = os.fstat(fd), f.read(200).strip()
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
