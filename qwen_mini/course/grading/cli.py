@@ -7,7 +7,9 @@ in order (magics and shell commands skipped with a note), each with a time limit
 within a budget. Each exercise is graded on the object its `check(...)` call names (or the name
 it defines) by the public and hidden checks, which run in the grader on plain data the sandbox
 sends back. The CSV has one row per named input: points and a status per exercise, the total and
-the maximum; a JSON report per notebook says why. Rows are written as the run goes.
+the maximum; a JSON report per notebook says why. Rows are written as the run goes. The hidden
+checks draw their inputs with the course secret (see --secret-file): a notebook graded again
+gets the same grade.
 
 Exit status: 0 when every named input was found and read; 3 when some could not be (their rows
 say `unreadable`); 1 when the grader cannot run at all; 2 for a usage error.
