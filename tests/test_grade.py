@@ -59,7 +59,8 @@ def _submission(path: Path) -> tuple[str, dict, bool]:
     whether it may run only where learner code runs as a user of its own) from a file holding
     `# base: solution` or `# base: blank`, maybe `# only-rooted: why`, then the new cells, each
     after a `# %% <cell id>` line (`# %% <cell id> deleted` removes the cell, `*N` after the id
-    repeats it N times). @ROOT@ and @MARKER@ stand for ROOT and MARKER; @OUT@ for the CSV path."""
+    repeats it N times). @ROOT@ and @MARKER@ stand for ROOT and MARKER; @OUT@ for the CSV path,
+    @SECRET@ for the course secret's."""
     text = path.read_text().replace("@ROOT@", str(ROOT)).replace("@MARKER@", MARKER)
     head, *cells = re.split(r"^# %% ", text, flags=re.M)
     base = re.search(r"^# base: (solution|blank)$", head, flags=re.M)
@@ -144,6 +145,7 @@ def graded(tmp_path_factory):
     out = folder / "out" / "grades.csv"
     for name, (base, changes) in SUBMISSIONS.items():
         text = nbs.dumps(_notebook(bases[base], changes)).replace("@OUT@", str(out))
+        text = text.replace("@SECRET@", str(grade.home() / grade.SECRET_FILE))
         (folder / f"{name}.ipynb").write_text(text)
     # inputs the grader must survive reading
     (folder / "s2_not_json.ipynb").write_text("this is not JSON {")
@@ -162,7 +164,7 @@ def graded(tmp_path_factory):
     started = time.monotonic()
     code = _run(folder, out, ["--jobs", "2", str(folder)])  # two grading processes at once
     seconds = time.monotonic() - started
-    (folder / "secret.txt").write_text(str(checking._SECRET))  # the run's, drawn in this process
+    (folder / "secret.txt").write_text(str(checking._SECRET))  # the course's, read in this process
     rows = _rows(out)
     reports = {}
     for p in (folder / "out" / "grades-reports").glob("*.json"):
@@ -349,13 +351,14 @@ def test_no_check_is_loaded_and_solutions_are_out_of_reach(graded):
 @ONLY_ISOLATED
 def test_the_package_check_modules_and_the_secret_are_out_of_reach(graded):
     # the hidden cases' generators are in qwen_mini/course/checks/, their inputs drawn with the
-    # grader's secret: neither is importable, readable or listed in the sandbox
+    # course secret: neither is importable, readable or listed in the sandbox
     _, rows, reports, _, folder = graded
     name = "s4_imports_package_checks"
     output = reports[name]["process_output"]
     assert "GOT" not in output, output
     assert len(_printed(reports, name, "NOT imported ")) == 6, output
     assert len(_printed(reports, name, "NOT registered ")) == 6, output
+    assert len(_printed(reports, name, "NOT read the course secret")) == 2, output
     assert _printed(reports, name, "LISTED ") == ["[]"], output
     secret = _printed(reports, name, "SECRET ")
     assert len(secret) == 1 and secret[0] != (folder / "secret.txt").read_text(), output

@@ -117,6 +117,14 @@ def _grade(tmp_path: Path, chapter: int, files: list[Path]) -> dict[str, dict]:
     return rows
 
 
+def _report(folder: Path, notebook: Path) -> dict:
+    for path in folder.glob("*.json"):
+        report = json.loads(path.read_text())
+        if report["notebook"] == str(notebook):
+            return report
+    raise AssertionError(f"no report on {notebook} in {folder}")
+
+
 # per chapter, the stubs to try: (cell taken from the learner copy, its exercise, a later exercise
 # that builds on it); each stub is its own notebook, all graded in one run
 STUBS = {
@@ -148,6 +156,9 @@ def test_real_chapter_grades(tmp_path, chapter):
     full = sum(float(solved[x]) for x in ids)
     assert full > 0 and float(solved["total"]) == full == float(solved["max_total"])
     assert all(solved[f"{x} status"] == "passed" for x in ids)
+    # ... and it runs under the grader as in Jupyter: every cell, each exercise checked once
+    report = _report(tmp_path / "reports", ROOT / "solutions" / name)
+    assert report["warnings"] == [], report["warnings"]
     assert all(float(learner[x]) == 0 for x in ids) and float(learner["total"]) == 0
     for path, (_, stubbed, dependent) in zip(mixed, STUBS[chapter], strict=True):
         partial = rows[f"{tmp_path.name}/{path.stem}"]

@@ -20,7 +20,7 @@ exercise ids is used. An exercise is data: its cases and a catalogue of its typi
         return x.repeat(1, n, 1, 1)
 
 A case draws its inputs from a generator (public cases: a fixed seed, so the learner sees the same
-message every run; hidden ones: seeded with a secret drawn once per process, see `new_secret`),
+message every run; hidden ones: seeded with a secret, see `new_secret`),
 calls the implementation on fresh copies of them (`call`, by default `impl(*inputs)`: a small
 function may build a module, fill a model, run a cache and return what to compare), and compares
 the result with the reference's, or with a hand-derived `expected(*inputs)`, through
@@ -263,14 +263,14 @@ def catalogue(chapter: str) -> list[Mistake]:
 
 # --- running a case ------------------------------------------------------------------------------
 
-_SECRET = secrets.randbits(64)  # seeds the hidden cases' inputs; never printed, never stored
+_SECRET = secrets.randbits(64)  # seeds the hidden cases' inputs; never printed
 
 
-def new_secret() -> None:
-    """Draw a new secret for the hidden cases' inputs. A grading run calls this once at start,
-    so every notebook of the run gets the same inputs and no submission can know them."""
+def new_secret(value: int | None = None) -> None:
+    """Set the secret for the hidden cases' inputs: `value` (the course secret a grading run
+    reads, so that a notebook graded again gets the same inputs), or a new random one."""
     global _SECRET
-    _SECRET = secrets.randbits(64)
+    _SECRET = secrets.randbits(64) if value is None else value
 
 
 def _seed(c: Case) -> int:

@@ -7,7 +7,9 @@ in order (magics and shell commands skipped with a note), each with a time limit
 within a budget. Each exercise is graded on the object its `check(...)` call names (or the name
 it defines) by the public and hidden checks, which run in the grader on plain data the sandbox
 sends back. The CSV has one row per named input: points and a status per exercise, the total and
-the maximum; a JSON report per notebook says why. Rows are written as the run goes.
+the maximum; a JSON report per notebook says why. Rows are written as the run goes. The hidden
+checks draw their inputs with the course secret (see --secret-file): a notebook graded again
+gets the same grade.
 
 Exit status: 0 when every named input was found and read; 3 when some could not be (their rows
 say `unreadable`); 1 when the grader cannot run at all; 2 for a usage error.
@@ -19,12 +21,16 @@ import argparse
 import contextlib
 import json
 import os
+import re
+import secrets
 import select
+import stat
 import sys
 import tempfile
 from pathlib import Path
 
 from .. import checking
+from ..mine import home
 from ..notebooks import NotebookError
 from .plan import ROOT, GraderError, display_name, load_reference, read_submission
 from .report import Folder, Grades, csv_text, number, report_name, write_report
@@ -32,20 +38,25 @@ from .sandbox import Zygote
 from .session import Options, grade_notebook
 
 UNREADABLE = 3
+SECRET_FILE = "grading-secret"  # in the qwen-mini home (QWEN_MINI_HOME, or ~/.qwen-mini)
 
 
 def submissions(paths: list[Path]) -> tuple[list[Path], list[Path]]:
-    """Files as given; folders expand to the notebooks inside them (checkpoints skipped).
-    Also returns the named folders that hold no notebook."""
+    """Files as given; folders expand to the names ending in .ipynb inside them (checkpoints
+    skipped; a folder or a link of such a name too, to be reported unreadable). A symbolic
+    link is never followed, named or found. Also returns the named folders that hold none."""
     found, empty = [], []
     for path in paths:
-        if path.is_dir():
-            inside = sorted(p for p in path.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
-            found += inside
-            if not inside:
-                empty.append(path)
-        else:
+        if not path.is_dir() or path.is_symlink():
             found.append(path)
+            continue
+        inside = []
+        for folder, folders, files in os.walk(path):  # does not enter linked folders
+            folders[:] = [d for d in folders if d != ".ipynb_checkpoints"]
+            inside += [Path(folder, n) for n in folders + files if n.endswith(".ipynb")]
+        found += sorted(inside)
+        if not inside:
+            empty.append(path)
     return found, empty
 
 
@@ -86,6 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--jobs", type=int, default=1, help="notebooks graded at once, one core each (1)"
     )
+    p.add_argument(
+        "--secret-file",
+        type=Path,
+        help="the course secret the hidden checks draw their inputs with (default: "
+        "~/.qwen-mini/grading-secret, or grading-secret in QWEN_MINI_HOME; made on first use)",
+    )
+    p.add_argument(
+        "--new-secret",
+        action="store_true",
+        help="replace the course secret with a new one before grading (hidden inputs change)",
+    )
     p.add_argument("files", nargs="+", type=Path, help="submitted notebooks or folders of them")
     return p
 
@@ -101,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qwen-mini grade: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # e.g. --out under a regular file, a full disk, no permission
-        where = f"{e.filename}: " if e.filename else ""
+        where = f"{display_name(Path(str(e.filename)))}: " if e.filename else ""
         print(f"qwen-mini grade: error: {where}{e.strerror or e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -114,7 +136,8 @@ def _say(text: str) -> None:
 
 
 def _grade_all(options) -> int:
-    checking.new_secret()  # this run's hidden inputs, the same for every notebook of the run
+    # the hidden inputs: the same for every notebook of this run and of every run with this secret
+    checking.new_secret(course_secret(options.secret_file, options.new_secret))
     ref = load_reference(options.solutions, options.chapter)
     files, empty = submissions(options.files)
     reports = options.reports or options.out.with_name(options.out.stem + "-reports")
@@ -140,6 +163,40 @@ def _grade_all(options) -> int:
             said += 1
     _say(f"wrote {display_name(options.out)} and reports in {display_name(reports)}")
     return UNREADABLE if unreadable else 0
+
+
+def course_secret(path: Path | None, new: bool = False) -> int:
+    """The course secret, read from `path` (default: grading-secret in the qwen-mini home),
+    made there on first use or, with `new`, made again. It stays the grader's: a file of its
+    user that only it can read (mode 0600), read here only, never in a sandbox, which runs as
+    another user and sees neither the file nor its folder."""
+    path = path or home() / SECRET_FILE
+    if new or not os.path.lexists(path):
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with open(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+        os.replace(tmp, path)
+    name = display_name(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        why = "is a symbolic link: name the file itself" if path.is_symlink() else e.strerror
+        raise GraderError(f"the course secret {name}: {why}") from None
+    with open(fd, encoding="ascii", errors="replace") as f:
+        st, text = os.fstat(fd), f.read(200).strip()
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise GraderError(
+                f"the course secret {name} must be a file of yours that only you can read "
+                f"(chmod 600 {name}); if others may have read it, replace it with --new-secret"
+            )
+    if not re.fullmatch(r"[0-9a-f]{64}", text):
+        raise GraderError(
+            f"{name} is not a course secret (64 hex digits): name another with --secret-file, "
+            "or replace it with --new-secret"
+        )
+    return int(text, 16)
 
 
 def _progress(grades: Grades) -> str:

@@ -13,9 +13,13 @@ from __future__ import annotations
 import ast
 import builtins
 import inspect
+import os
 import sys
+import sysconfig
 import textwrap
 import types
+
+import torch
 
 # bound here, in the zygote: a submission that replaces `sys.setprofile` does not turn the watch off
 _setprofile = sys.setprofile
@@ -41,6 +45,27 @@ BLOCKED_WHILE_CHECKED = (
     "gc.get_referents",
     "sys._current_frames",
 )
+
+
+_INDUCTOR = os.path.join(os.path.dirname(torch.__file__), "_inductor", "")
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+
+
+def _compiler_at_work(event: str) -> bool:
+    """torch.compile's compiler (inductor) runs the C++ compiler and loads what it built, and
+    the first call of a compiled helper may come inside a check: allowed when the code asking,
+    past the standard library's subprocess and ctypes, is one of inductor's modules."""
+    if event not in ("subprocess.Popen", "ctypes.dlopen"):
+        return False
+    frame = sys._getframe(2)
+    while frame is not None:
+        name, module = frame.f_code.co_filename, frame.f_globals.get("__name__", "")
+        if name.startswith(_INDUCTOR) and module.startswith("torch._inductor."):
+            return getattr(sys.modules.get(module), "__dict__", None) is frame.f_globals
+        if not name.startswith(_STDLIB) or "-packages" in name:
+            return False
+        frame = frame.f_back
+    return False
 
 
 # --- what the references are made of (computed in the zygote, before any learner code) ----------
@@ -239,7 +264,7 @@ class Monitor:
             return
         if self.exercise is None or event == "sys._getframe":
             return
-        if event.startswith(BLOCKED_WHILE_CHECKED):
+        if event.startswith(BLOCKED_WHILE_CHECKED) and not _compiler_at_work(event):
             raise RuntimeError(f"{event} is not allowed while an exercise is being checked")
 
     def enter_thread(self) -> None:

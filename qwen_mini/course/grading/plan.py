@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import stat
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +32,7 @@ class Reference:
     notebook: Path
     exercises: list[Exercise]
     names: dict[str, str]  # exercise id -> the name the exercise defines (what check() gets)
+    order: list[str]  # the exercise ids in the order the reference notebook checks them
 
     @property
     def ids(self) -> list[str]:
@@ -61,12 +64,22 @@ def load_reference(solutions: Path, chapter: int) -> Reference:
     for e in registered:
         expression = objects.get(e.id) or ""
         names[e.id] = expression if expression.isidentifier() else e.id.split(".", 1)[1]
-    return Reference(prefix, found[0], registered, names)
+    order = [x for x in objects if x in names] + [x for x in names if x not in objects]
+    return Reference(prefix, found[0], registered, names, order)
 
 
 def display_name(path: Path) -> str:
-    """The path as text that can always be written (undecodable bytes shown escaped)."""
-    return safe_text(os.fsdecode(path))
+    """The path as text that can always be written and printed: undecodable bytes and control
+    characters (a newline, an escape sequence, a direction override) shown escaped, so that a
+    file's name cannot forge a progress line, a CSV row or what a terminal shows."""
+    text = safe_text(os.fsdecode(path))
+    return "".join(_escaped(c) for c in text)
+
+
+def _escaped(c: str) -> str:
+    if c == " " or unicodedata.category(c)[0] not in "CZ":  # control, format, separator
+        return c
+    return c.encode("unicode_escape").decode("ascii")
 
 
 def safe_text(text: str) -> str:
@@ -92,15 +105,28 @@ class Submission:
 
 def read_submission(path: Path, chapter: str) -> Submission:
     sub = Submission(path, display_name(path))
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_NOTEBOOK_BYTES + 1)
+    try:  # never through a symbolic link; a FIFO does not block
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         sub.error = "not found"
         return sub
     except OSError as e:
-        sub.error = f"could not be read ({e.strerror or type(e).__name__})"
+        if os.path.islink(path):
+            sub.error = "is a symbolic link, not followed (submit the notebook itself)"
+        else:
+            sub.error = f"could not be read ({e.strerror or type(e).__name__})"
         return sub
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        sub.error = "is a folder, not a notebook" if stat.S_ISDIR(mode) else "is not a file"
+        return sub
+    with open(fd, "rb") as f:
+        try:
+            data = f.read(MAX_NOTEBOOK_BYTES + 1)
+        except OSError as e:
+            sub.error = f"could not be read ({e.strerror or type(e).__name__})"
+            return sub
     if len(data) > MAX_NOTEBOOK_BYTES:
         sub.error = f"too big to grade (over {_mb(MAX_NOTEBOOK_BYTES)}; clear its outputs)"
         return sub

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import importlib
 import json
 import os
 import pickle
@@ -178,17 +179,30 @@ def _chapter_spec(chapter: str) -> dict:
     if chapter[:2] == "ch" and chapter[2:].isdigit():
         earlier = [e for n in range(int(chapter[2:])) for e in exercises(f"ch{n:02d}")]
     for e in earlier + exercises(chapter):
-        if (getattr(e.reference, "__module__", "") or "").startswith(CHECKS + "."):
+        if _module(e).startswith(CHECKS + "."):
             raise GraderError(
                 f"{e.id}: its reference is defined in {e.reference.__module__}, which the "
                 "sandbox must not see: define it in the package (or qwen_mini/course/lab/)"
             )
+    # what `reference(id)` and `mine(id)` give in the sandbox, which has no check to ask: every
+    # other chapter's pieces of the package (a notebook may load a model built of later ones)
+    others = [e for n in _package_chapters() if n != chapter for e in exercises(n)]
+    others = [e for e in others if e.reference is not None and not from_checks(_module(e))]
     return {
         "exercises": [[e.id, _place(e.reference)] for e in exercises(chapter)],
         "earlier": [_place(e.reference) for e in earlier if isinstance(e.reference, type)],
-        # what `reference(id)` and `mine(id)` give in the sandbox, which has no check to ask
-        "pieces": [[e.id, _place(e.reference)] for e in earlier if e.reference is not None],
+        "pieces": [[e.id, _place(e.reference)] for e in others],
     }
+
+
+def _package_chapters() -> list[str]:
+    """The chapters whose checks the package holds ("ch00", ...)."""
+    folder = Path(importlib.import_module(CHECKS).__file__).parent
+    return sorted(p.stem for p in folder.glob("ch[0-9][0-9].py"))
+
+
+def _module(e) -> str:
+    return getattr(e.reference, "__module__", "") or ""
 
 
 def _new_uid() -> int:

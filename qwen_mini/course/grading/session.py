@@ -118,7 +118,7 @@ class Session:
                 )
                 break
             self._cell(cell)
-        for exercise in self.ref.ids:
+        for exercise in self.ref.order:
             if exercise not in self.graded and self.clock() < self.end_of_budget:
                 self._by_name(exercise)
         self._rest("timeout", f"the notebook used up its budget of {self.options.budget:g} s")
@@ -230,8 +230,9 @@ class Session:
     def _grade(self, exercise: str, obj: Remote, cell=None) -> None:
         """Grade `exercise` on `obj`, which `cell` checked (None: found by its name)."""
         self.graded.add(exercise)
-        for earlier in self.ref.ids[: self.ref.ids.index(exercise)]:
-            if earlier not in self.graded:  # graded now on its name, or the package's piece
+        for earlier in self.ref.order[: self.ref.order.index(exercise)]:
+            # one the notebook checks before: graded now on its name, or the package's piece
+            if earlier not in self.graded:
                 self._by_name(earlier)
         started = time.monotonic()
         try:

@@ -679,6 +679,13 @@ def serve_zygote(sock_fd: int, chapter: str) -> None:
     try:
         import torch
         import torch._dynamo  # noqa: F401  (imported once here, so that importing it is no change)
+        import torch._inductor.config
+
+        # torch.compile compiles in the process itself (no pool of compile workers, which a
+        # check, where a compiled helper may first be called, could not start), and without
+        # precompiled headers (a file of 150 MB, over the file size limit)
+        torch._inductor.config.compile_threads = 1
+        torch._inductor.config.cpp_cache_precompile_headers = False
         from IPython.core.inputtransformer2 import TransformerManager  # noqa: F401
 
         import qwen_mini
