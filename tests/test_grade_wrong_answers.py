@@ -319,6 +319,18 @@ class SharedExpertMoeBlock(SparseMoeBlock):
 # learner would get them wrong.
 SIZES = [
     (
+        "ch01.regroup_kv_heads",
+        """def regroup_kv_heads(w, head_dim, n_kv_new):
+    n_kv = w.shape[0] // head_dim
+    heads = w.view(n_kv, head_dim, *w.shape[1:])
+    if n_kv_new > n_kv:
+        heads = torch.repeat_interleave(heads, n_kv_new // n_kv, dim=0)
+    elif n_kv_new < n_kv:
+        heads = heads.view(n_kv_new, -1, head_dim, *w.shape[1:]).float().mean(1).to(w.dtype)
+    return heads.reshape(-1, *w.shape[1:])  # 4 heads into 3: whatever view says""",
+        "there is no such regrouping",
+    ),
+    (
         "ch06.select_blocks",
         """def select_blocks(scores, t_all, ratio, top_blocks):
     B, T, n = scores.shape

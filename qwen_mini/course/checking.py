@@ -373,7 +373,8 @@ def _agree(got, other, c: Case) -> bool:
         return (
             isinstance(got, Raised)
             and isinstance(other, Raised)
-            and type(got.error) is type(other.error)
+            # by name: the grader rebuilds what the learner's code raised in a class of its own
+            and type(got.error).__name__ == type(other.error).__name__
         )
     try:
         expect_close("", got, other, c.atol, c.rtol)
@@ -383,23 +384,30 @@ def _agree(got, other, c: Case) -> bool:
 
 
 def _matching_mistake(c: Case, entry: Exercise, got, seed: int, obj, changes=None) -> str | None:
-    """The idea of the first catalogued mistake that really is the learner's answer: its
-    result on this case is the learner's (and, given `changes`, it changes that input too), and
-    on every other case of the exercise that runs with this one (the public ones; the hidden
-    ones too when this one is hidden) its result is the learner's as well. An answer that only
-    happens to agree with a mistake on this case is described, not named by a wrong idea."""
+    """The idea of the catalogued mistake that really is the learner's answer: its result on
+    this case is the learner's (and, given `changes`, it changes that input too), and on every
+    other case of the exercise that runs with this one (the public ones; the hidden ones too when
+    this one is hidden) its result is the learner's as well. An answer that only happens to agree
+    with a mistake on this case, or that two mistakes of different ideas both give, is described,
+    not named by a guessed idea."""
     others = None  # the learner's outcomes on the other cases, made once, when first needed
+    found = None
     for m in entry.mistakes.values():
+        if found is not None and m.idea == found:
+            continue
         by_mistake: list[int] = []
-        mine = _outcome(c, m.fn, True, by_mistake)
-        if not _agree(got, mine, c) or not (changes is None or changes in by_mistake):
+        if not _agree(got, _outcome(c, m.fn, True, by_mistake), c) or not (
+            changes is None or changes in by_mistake
+        ):
             continue
         if others is None:
             cases = [o for o in entry.cases if o is not c and (c.hidden or not o.hidden)]
             others = [(o, _outcome(o, obj, False)) for o in cases]
         if all(_agree(theirs, _outcome(o, m.fn, True), o) for o, theirs in others):
-            return m.idea
-    return None
+            if found is not None:
+                return None  # two ideas give this answer: what differs says more than a guess
+            found = m.idea
+    return found
 
 
 # --- lookup --------------------------------------------------------------------------------------

@@ -1033,6 +1033,42 @@ case(
     REGROUP, "other sizes", lambda g: (randn(2 ** between(g, 0, 3) * 3, 6, g=g), 3, 8), hidden=True
 )
 
+NO_REGROUPING = "a ValueError: neither head count divides the other"
+
+
+def _regroup_invalid(regroup_kv_heads, w, head_dim, n_kv_new):
+    try:
+        regroup_kv_heads(w, head_dim, n_kv_new)
+    except ValueError:
+        return {NO_REGROUPING: True}
+    return {NO_REGROUPING: False}
+
+
+case(REGROUP, "4 -> 3 heads: no such regrouping", lambda g: (NUMBERED, 1, 3), _regroup_invalid)
+case(
+    REGROUP,
+    "4 -> 6 heads, a weight: no such regrouping",
+    lambda g: (randn(4 * 8, 16, g=g), 8, 6),
+    _regroup_invalid,
+    hidden=True,
+)
+
+
+@mistake(
+    REGROUP,
+    "neither count divides the other (4 KV heads into 3 or 6): there is no such regrouping, so "
+    "raise a ValueError naming both counts (not whatever reshape says)",
+)
+def regroup_unchecked(w, head_dim, n_kv_new):
+    n_kv = w.shape[0] // head_dim
+    heads = w.reshape(n_kv, head_dim, *w.shape[1:])
+    if n_kv_new >= n_kv:
+        heads = heads.repeat_interleave(n_kv_new // n_kv, dim=0)
+    else:
+        group = heads.reshape(n_kv_new, n_kv // n_kv_new, head_dim, *w.shape[1:])
+        heads = group.float().mean(dim=1).to(w.dtype)
+    return heads.reshape(n_kv_new * head_dim, *w.shape[1:])
+
 
 @mistake(
     REGROUP,
