@@ -24,8 +24,10 @@ message every run; hidden ones: seeded with a secret drawn once per process, see
 calls the implementation on fresh copies of them (`call`, by default `impl(*inputs)`: a small
 function may build a module, fill a model, run a cache and return what to compare), and compares
 the result with the reference's, or with a hand-derived `expected(*inputs)`, through
-`expect_close`. When they differ, each catalogued mistake runs on the same inputs: the learner's
-result matching a mistake's names that mistake's idea. A case may return a dict of named stages
+`expect_close`. When they differ, each catalogued mistake runs on the same inputs: a mistake whose
+result is the learner's, here and on the exercise's other cases (a crash of the same kind counts),
+names its idea; an answer no mistake reproduces, or two ideas both do, gets what differs (which
+value, where, what dtype or shape) instead of a guess. A case may return a dict of named stages
 (`{"after attention": ..., "output": ...}`): the first stage that differs is the one reported.
 
 `QWEN_MINI_CHECKS` sets what a check does besides printing: `learner` (default) never raises,
