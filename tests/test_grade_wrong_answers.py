@@ -259,11 +259,11 @@ MESSAGES = [
     ),
     (
         "ch03.SharedExpertMoeBlock",
-        """from qwen_mini.mlp import MLP
-from qwen_mini.moe import SparseMoeBlock
+        """from qwen_mini import moe  # not `SparseMoeBlock`: the name of another exercise
+from qwen_mini.mlp import MLP
 
 
-class SharedExpertMoeBlock(SparseMoeBlock):
+class SharedExpertMoeBlock(moe.SparseMoeBlock):
     def __init__(self, hidden, intermediate, n_experts, top_k, shared, norm_topk_prob=True,
                  fused=False):
         super().__init__(hidden, intermediate, n_experts, top_k, norm_topk_prob, fused)
