@@ -198,6 +198,10 @@ def _squared(x):
     return x * x
 
 
+def _past_the_end(x):
+    return x + x[len(x)]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _chapter_97():
     """A made-up exercise, registered only while this file's tests run: registered at import,
@@ -214,6 +218,7 @@ def _chapter_97():
         "ch97.twice", "other sizes", lambda g: (ex.randn(ex.between(g, 1, 9), g=g),), hidden=True
     )
     ex.mistake("ch97.twice", "squared: twice means x + x")(_squared)
+    ex.mistake("ch97.twice", "indexed past the end: the last item is x[len(x) - 1]")(_past_the_end)
     yield
     del ex._EXERCISES["ch97.twice"]
 
@@ -224,7 +229,46 @@ def test_a_case_names_the_mistake_the_answer_matches():
     result = ex.run_checks("ch97.twice", lambda x: 3 * x)  # no catalogued mistake: the values
     assert result.message.startswith("a vector failed: twice: expected ")
     assert ex.run_checks("ch97.twice", lambda x: x + x, hidden=True).ok
-    assert [m.name for m in ex.catalogue("ch97")] == ["_squared"]
+    assert [m.name for m in ex.catalogue("ch97")] == ["_squared", "_past_the_end"]
+
+
+def test_a_mistake_is_named_only_when_it_is_the_answer_on_every_case():
+    """An answer that agrees with a mistake on the failing case by chance, and not on the
+    exercise's other cases, is described (which value, where), not given the mistake's idea."""
+
+    def squared_for_four(x):  # the mistake's result on "a vector", 3 x on "hand-derived"
+        return x * x if x.numel() == 4 else 3 * x
+
+    result = ex.run_checks("ch97.twice", squared_for_four)
+    assert result.message.startswith("a vector failed: twice: expected "), result.message
+    assert "squared" not in result.message
+
+
+def test_a_crash_is_named_by_the_mistake_that_crashes_alike():
+    def past_the_end(x):
+        return 2 * x[x.shape[0]]
+
+    result = ex.run_checks("ch97.twice", past_the_end)
+    assert result.message.startswith("a vector failed: your code raised IndexError: "), result
+    assert result.message.endswith("; indexed past the end: the last item is x[len(x) - 1]")
+    other = ex.run_checks("ch97.twice", lambda x: x.no_such_method())  # crashes otherwise
+    assert "AttributeError" in other.message and "indexed past" not in other.message
+
+
+def test_values_without_a_name_are_the_result_and_long_lists_are_shortened():
+    with pytest.raises(AssertionError, match=r"^the result: expected 2, got 3$"):
+        ex.expect_equal("", 3, 2)
+    with pytest.raises(AssertionError, match=r"^the result\[1\]: expected 2, got 3 "):
+        ex.expect_equal("", (1, 3.0), (1, 2.0))
+    expected, got = list(range(40)), list(range(40))
+    got[7] = 99
+    with pytest.raises(AssertionError) as raised:
+        ex.expect_equal("ids", got, expected)
+    message = str(raised.value)
+    assert message.startswith("ids: first difference at position 7 of 40: expected 7, got 99")
+    assert "(40 items in all)" in message and len(message) < 400, message
+    with pytest.raises(AssertionError, match=r"^ids: expected 40 items, got 45: the first 40"):
+        ex.expect_equal("ids", expected + [1, 2, 3, 4, 5], expected)
 
 
 def test_hidden_inputs_come_from_the_secret_public_ones_do_not():

@@ -459,6 +459,197 @@ class SparseMoeBlock(nn.Module):
     ),
 ]
 
+# Wrong answers whose message once named an idea they do not have: a mistake's result agreed
+# with theirs on one case by chance. (exercise id, notebook source, what the message must say,
+# what it must not say.)
+MESSAGES = [
+    (
+        "ch01.KVCache",
+        """class KVCache:
+    def __init__(self, batch_size, num_kv_heads, head_dim, dtype, device="cpu"):
+        self.shape = (batch_size, num_kv_heads, 0, head_dim)
+        self.k = torch.empty(self.shape, dtype=dtype, device=device)
+        self.v = torch.empty(self.shape, dtype=dtype, device=device)
+        self.length = 0
+
+    def update(self, k, v):
+        start, end = self.length, self.length + k.shape[2]
+        if end > self.k.shape[2]:
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                new = old.new_empty(old.shape[:2] + (max(end, 2 * old.shape[2]),) + old.shape[3:])
+                new[:, :, :start] = old[:, :, :start]
+                setattr(self, name, new)
+        self.k[:, :, start:end], self.v[:, :, start:end] = k, v
+        return k, v  # only the new keys and values
+
+    def commit(self, n_tokens):
+        self.length += n_tokens
+
+    def discard(self):
+        pass
+
+    def nbytes(self):
+        b, h, _, d = self.shape
+        return 2 * b * h * self.length * d * self.k.element_size()""",
+        "the cached ones, then the new",
+        "update returned copies",
+    ),
+    (
+        "ch01.load_weights",
+        """def load_weights(model, header, get_tensor, prefix="model."):
+    sources = {}
+    for name in model.state_dict():  # the tied head too, under a name no checkpoint has
+        sources[name] = prefix + name.removeprefix("model.")
+    state = {name: get_tensor(key) for name, key in sources.items()}
+    model.load_state_dict(state, assign=True)
+    return sources""",
+        "your code raised KeyError: 'model.lm_head.weight'",
+        "expected a dict",
+    ),
+    (
+        "ch01.attention_weights",
+        """def attention_weights(q, k, mask=None):
+    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1).to(q.dtype)""",
+        "the scores q @ kᵀ were computed in float32",
+        "softmax in float32: ask for",
+    ),
+    (
+        "ch02.distinct_weights",
+        """def distinct_weights(logits, dtype):
+    w = torch.softmax(logits.to(dtype).float(), dim=-1).to(dtype)
+    return int(torch.count_nonzero(w))""",
+        "the nonzero weights were counted",
+        "not rounded",
+    ),
+    (
+        "ch03.SharedExpertMoeBlock",
+        """from qwen_mini import moe  # not `SparseMoeBlock`: the name of another exercise
+from qwen_mini.mlp import MLP
+
+
+class SharedExpertMoeBlock(moe.SparseMoeBlock):
+    def __init__(self, hidden, intermediate, n_experts, top_k, shared, norm_topk_prob=True,
+                 fused=False):
+        super().__init__(hidden, intermediate, n_experts, top_k, norm_topk_prob, fused)
+        self.shared_expert = MLP(hidden, shared)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x):
+        return super().forward(x)  # the shared expert never runs""",
+        "the shared expert is missing",
+        "raw gate logit",
+    ),
+    (
+        "ch04.budgeted_tokens",
+        """def budgeted_tokens(step, prompt_ids, *, budget, forced_ids, think_id, end_think_id,
+                    stop_ids, max_new_tokens, thinking=False):
+    reply, feed, spent, inside, done = [], list(prompt_ids), 0, False, False  # thinking unread
+    while len(reply) < max_new_tokens:
+        if inside and budget is not None and not done and (
+            spent >= budget or max_new_tokens - len(reply) == len(forced_ids)
+        ):
+            if max_new_tokens - len(reply) < len(forced_ids):
+                return
+            yield from forced_ids
+            reply += forced_ids
+            feed, inside, done = feed + forced_ids, False, True
+            continue
+        token = step(feed)
+        feed = [token]
+        reply.append(token)
+        yield token
+        if token in stop_ids:
+            return
+        if token == think_id:
+            inside = True
+        elif token == end_think_id:
+            inside = False
+        elif inside:
+            spent += 1""",
+        "thinking=True means the prompt already opened <think>",
+        "a budget of 0 is a budget",
+    ),
+    (
+        "ch05.deltanet_gates",
+        """def deltanet_gates(b, a, A_log, dt_bias):
+    x = a.float() + dt_bias.float()
+    return torch.sigmoid(b), -A_log.float().exp() * F.silu(x)  # silu, not softplus""",
+        "g: expected",
+        "relu",
+    ),
+]
+
+# Sizes beyond the chapters' examples that the prose says are valid (or invalid), written as a
+# learner would get them wrong.
+SIZES = [
+    (
+        "ch01.regroup_kv_heads",
+        """def regroup_kv_heads(w, head_dim, n_kv_new):
+    n_kv = w.shape[0] // head_dim
+    heads = w.view(n_kv, head_dim, *w.shape[1:])
+    if n_kv_new > n_kv:
+        heads = torch.repeat_interleave(heads, n_kv_new // n_kv, dim=0)
+    elif n_kv_new < n_kv:
+        heads = heads.view(n_kv_new, -1, head_dim, *w.shape[1:]).float().mean(1).to(w.dtype)
+    return heads.reshape(-1, *w.shape[1:])  # 4 heads into 3: whatever view says""",
+        "there is no such regrouping",
+    ),
+    (
+        "ch06.select_blocks",
+        """def select_blocks(scores, t_all, ratio, top_blocks):
+    B, T, n = scores.shape
+    keep = torch.zeros(B, T, t_all, dtype=torch.bool)
+    for i in range(T):
+        t = t_all - T + i
+        complete = (t + 1) // ratio
+        masked = scores[:, i].clone()
+        masked[:, complete:] = float("-inf")
+        top = masked.topk(top_blocks, dim=-1).indices  # more blocks than a short prompt has
+        for b in range(B):
+            for j in top[b].tolist():
+                if j < complete:
+                    keep[b, i, j * ratio : (j + 1) * ratio] = True
+        keep[:, i, complete * ratio : t + 1] = True
+    return keep""",
+        "keep min(top_blocks, n)",
+    ),
+    (
+        "ch03.split_mlp",
+        """def split_mlp(mlp, num_experts):
+    from qwen_mini.mlp import MLP
+
+    H, I = mlp.gate_proj.in_features, mlp.gate_proj.out_features
+    width = I // num_experts  # 10 neurons into 4 experts: 2 are left out
+    experts = nn.ModuleList()
+    for e in range(num_experts):
+        rows = slice(e * width, (e + 1) * width)
+        expert = MLP(H, width)
+        with torch.no_grad():
+            expert.gate_proj.weight.copy_(mlp.gate_proj.weight[rows])
+            expert.up_proj.weight.copy_(mlp.up_proj.weight[rows])
+            expert.down_proj.weight.copy_(mlp.down_proj.weight[:, rows])
+        experts.append(expert)
+    return experts""",
+        "not divisible by the number of experts",
+    ),
+    (
+        "ch05.causal_conv1d",
+        """def causal_conv1d(x, weight, conv_state):
+    K = weight.shape[-1]
+    full = torch.cat([conv_state.to(x.dtype), x], dim=-1)
+    y = F.conv1d(full, weight, groups=x.shape[1])
+    return y, full[:, :, -(K - 1):]  # K = 1: -0, every input""",
+        "a kernel of 1 keeps no state",
+    ),
+]
+
+EXTRA += [m[:3] for m in MESSAGES] + SIZES
+ABSENT = {source: absent for _, source, _, absent in MESSAGES}  # what each message must not say
+
 CHAPTER_IDS = ["ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06"]
 
 
@@ -599,6 +790,7 @@ def test_the_corpus_reaches_every_chapter_and_fails_in_the_notebook():
         obj = namespace[re.search(r"^(?:def|class) (\w+)", wrong, re.M).group(1)]
         result = run_checks(exercise, obj, hidden=True)
         assert result.status == "failed" and idea in result.message, (exercise, result.message)
+        assert ABSENT.get(wrong, "\0") not in result.message, (exercise, result.message)
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS)
@@ -629,6 +821,8 @@ def test_every_wrong_answer_scores_zero_through_the_grader(tmp_path, chapter):
                 and (exercise, getattr(answer, "__name__", "source")) not in NAMED_BY_STAGE
             ):
                 problems.append(f"{what}: the message does not name {idea!r}: {message}")
+            elif isinstance(answer, str) and ABSENT.get(answer, "\0") in message:
+                problems.append(f"{what}: the message names {ABSENT[answer]!r}: {message}")
         for exercise in ref.ids:  # nothing else in the notebook: missing, and 0
             if exercise not in wrong and row[f"{exercise} status"] != "missing":
                 problems.append(f"batch{k} {exercise}: {row[f'{exercise} status']}")

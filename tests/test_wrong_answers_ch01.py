@@ -69,3 +69,12 @@ def decode_with_forward(model, prompt_ids, max_new_tokens, choose=dec.greedy, st
 def test_right_answers_written_differently_pass(exercise, answer):
     result = run_checks(f"ch01.{exercise}", answer, hidden=True)
     assert result.status == "passed", result.line()
+
+
+@pytest.mark.parametrize("n_kv_new", [3, 6, 0])
+def test_regroup_kv_heads_refuses_counts_that_do_not_divide(n_kv_new):
+    """4 KV heads into 3 or 6 (or none): no regrouping exists; the error names both counts."""
+    from qwen_mini.course.lab import ch01 as lab
+
+    with pytest.raises(ValueError, match=f"4 KV heads into {n_kv_new}"):
+        lab.regroup_kv_heads(torch.zeros(4 * 8, 16), 8, n_kv_new)

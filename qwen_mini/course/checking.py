@@ -24,8 +24,10 @@ message every run; hidden ones: seeded with a secret, see `new_secret`),
 calls the implementation on fresh copies of them (`call`, by default `impl(*inputs)`: a small
 function may build a module, fill a model, run a cache and return what to compare), and compares
 the result with the reference's, or with a hand-derived `expected(*inputs)`, through
-`expect_close`. When they differ, each catalogued mistake runs on the same inputs: the learner's
-result matching a mistake's names that mistake's idea. A case may return a dict of named stages
+`expect_close`. When they differ, each catalogued mistake runs on the same inputs: a mistake whose
+result is the learner's, here and on the exercise's other cases (a crash of the same kind counts),
+names its idea; an answer no mistake reproduces, or two ideas both do, gets what differs (which
+value, where, what dtype or shape) instead of a guess. A case may return a dict of named stages
 (`{"after attention": ..., "output": ...}`): the first stage that differs is the one reported.
 
 `QWEN_MINI_CHECKS` sets what a check does besides printing: `learner` (default) never raises,
@@ -92,6 +94,7 @@ class Exercise:
     mistakes: dict[str, Mistake] = field(default_factory=dict)
     registered: bool = False
     variant_labels: set[str] = field(default_factory=set)  # checks run after the plain ones
+    cases: list[Case] = field(default_factory=list)  # the checks declared with `case`
 
 
 @dataclass(frozen=True)
@@ -229,6 +232,7 @@ def case(
     backward pass...: see variants.py), each a check after the exercise's plain ones."""
     c = Case(exercise_id, name, inputs, call or _plain_call, expected, atol, rtol, seed, hidden)
     _add(exercise_id, hidden, name, lambda obj: _run_case(c, obj))
+    _entry(exercise_id).cases.append(c)
     if variants:
         from . import variants as kinds
 
@@ -320,7 +324,7 @@ def _unchanged(a, b) -> bool:
     return True
 
 
-def _changed_inputs(c: Case, entry: Exercise, got, seed: int, changed: list[int]) -> None:
+def _changed_inputs(c: Case, entry: Exercise, got, seed: int, changed: list[int], obj) -> None:
     """Fail when the learner's code changed an input that the reference leaves as it was
     (named by a catalogued mistake that does the same, if one matches)."""
     if not changed:
@@ -330,7 +334,7 @@ def _changed_inputs(c: Case, entry: Exercise, got, seed: int, changed: list[int]
     wrong = [i for i in changed if i not in by_reference]
     if wrong:
         i = wrong[0]
-        idea = _matching_mistake(c, entry, got, seed, changes=i)
+        idea = _matching_mistake(c, entry, got, seed, obj, changes=i)
         raise AssertionError(
             idea
             or (
@@ -346,8 +350,16 @@ def _run_case(c: Case, obj) -> None:
     seed = _seed(c)
     entry = get(c.exercise_id)
     changed: list[int] = []
-    got = _result(c, obj, seed, changed)
-    _changed_inputs(c, entry, got, seed, changed)
+    try:
+        got = _result(c, obj, seed, changed)
+    except (NotImplementedError, AssertionError, MemoryError):
+        raise
+    except Exception as e:  # named by a catalogued mistake that crashes alike, if one does
+        idea = _matching_mistake(c, entry, Raised(e), seed, obj)
+        if idea is not None:
+            e.idea = idea  # run_checks (and the grader) add it to "your code raised ..."
+        raise
+    _changed_inputs(c, entry, got, seed, changed, obj)
     want = (
         _result(c, entry.reference, seed, ours=True)
         if c.expected is None
@@ -357,24 +369,71 @@ def _run_case(c: Case, obj) -> None:
     try:
         expect_close(root, got, want, c.atol, c.rtol)
     except AssertionError:
-        idea = _matching_mistake(c, entry, got, seed)
+        idea = _matching_mistake(c, entry, got, seed, obj)
         if idea is None:
             raise
         raise AssertionError(idea) from None
 
 
-def _matching_mistake(c: Case, entry: Exercise, got, seed: int, changes=None) -> str | None:
-    """The idea of the first catalogued mistake whose result on this case is the learner's
-    (and, given `changes`, that changes that input too)."""
+@dataclass(frozen=True)
+class Raised:
+    """What a call raised, in place of its result: two calls agree when both raised the same
+    type of exception."""
+
+    error: BaseException
+
+
+def _outcome(c: Case, impl, ours: bool, changed: list | None = None):
+    """`impl`'s result on case `c` (its own seed), or Raised when it raised."""
+    try:
+        return _result(c, impl, _seed(c), changed, ours)
+    except MemoryError:
+        raise
+    except Exception as e:
+        return Raised(e)
+
+
+def _agree(got, other, c: Case) -> bool:
+    """Whether two outcomes of case `c` are the same answer."""
+    if isinstance(got, Raised) or isinstance(other, Raised):
+        return (
+            isinstance(got, Raised)
+            and isinstance(other, Raised)
+            # by name: the grader rebuilds what the learner's code raised in a class of its own
+            and type(got.error).__name__ == type(other.error).__name__
+        )
+    try:
+        expect_close("", got, other, c.atol, c.rtol)
+    except Exception:
+        return False
+    return True
+
+
+def _matching_mistake(c: Case, entry: Exercise, got, seed: int, obj, changes=None) -> str | None:
+    """The idea of the catalogued mistake that really is the learner's answer: its result on
+    this case is the learner's (and, given `changes`, it changes that input too), and on every
+    other case of the exercise that runs with this one (the public ones; the hidden ones too when
+    this one is hidden) its result is the learner's as well. An answer that only happens to agree
+    with a mistake on this case, or that two mistakes of different ideas both give, is described,
+    not named by a guessed idea."""
+    others = None  # the learner's outcomes on the other cases, made once, when first needed
+    found = None
     for m in entry.mistakes.values():
-        by_mistake: list[int] = []
-        try:
-            expect_close("", got, _result(c, m.fn, seed, by_mistake, True), c.atol, c.rtol)
-        except Exception:  # a mistake may crash on inputs it was not written for
+        if found is not None and m.idea == found:
             continue
-        if changes is None or changes in by_mistake:
-            return m.idea
-    return None
+        by_mistake: list[int] = []
+        if not _agree(got, _outcome(c, m.fn, True, by_mistake), c) or not (
+            changes is None or changes in by_mistake
+        ):
+            continue
+        if others is None:
+            cases = [o for o in entry.cases if o is not c and (c.hidden or not o.hidden)]
+            others = [(o, _outcome(o, obj, False)) for o in cases]
+        if all(_agree(theirs, _outcome(o, m.fn, True), o) for o, theirs in others):
+            if found is not None:
+                return None  # two ideas give this answer: what differs says more than a guess
+            found = m.idea
+    return found
 
 
 # --- lookup --------------------------------------------------------------------------------------
@@ -448,9 +507,16 @@ def run_checks(exercise_id: str, obj, hidden: bool = False) -> Result:
         except Exception as e:  # the learner's code crashed inside the check
             where = learner_line(e)
             at = f" ({where})" if where else ""
-            message = f"{name} failed: your code raised {type(e).__name__}: {e}{at}"
+            message = f"{name} failed: your code raised {type(e).__name__}: {e}{at}{crash_idea(e)}"
             return Result(exercise_id, "failed", done, len(checks), message, kind, e)
     return Result(exercise_id, "passed", len(checks), len(checks), kind=kind)
+
+
+def crash_idea(e: BaseException) -> str:
+    """The idea of the catalogued mistake that crashes as the learner's code did (as "; idea"),
+    or ""."""
+    idea = getattr(e, "idea", None)
+    return f"; {idea}" if isinstance(idea, str) else ""
 
 
 _GRADER_CELL = re.compile(r"<cell (\d+)")  # the grader's name for a notebook cell's code
@@ -580,8 +646,36 @@ def named(value, *names: str) -> dict:
 
 
 def _short(value, limit: int = 120) -> str:
+    """`value` as text, a long list as its first few items and how many in all."""
+    if isinstance(value, tuple | list) and len(value) > 6:
+        head = ", ".join(_short(v, 30) for v in value[:5])
+        text = f"[{head}, … ({len(value)} items in all)]"
+        return text if len(text) <= limit else text[: limit - 1] + "…"
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _sequence_difference(got, expected) -> str:
+    """Where two sequences first differ: the position and both items there, and both lengths
+    when they differ."""
+    i = next(
+        (k for k, (a, b) in enumerate(zip(got, expected, strict=False)) if not _same(a, b)), None
+    )
+    if i is None:
+        i = min(len(got), len(expected))
+        longer, which = (got, "got") if len(got) > len(expected) else (expected, "expected")
+        return (
+            f"expected {len(expected)} items, got {len(got)}: the first {i} agree, then "
+            f"{which} has {_short(list(longer[i : i + 3]), 60)}"
+            + (" …" if len(longer) > i + 3 else "")
+        )
+    lengths = (
+        f"; {len(expected)} items expected, {len(got)} given" if len(got) != len(expected) else ""
+    )
+    return (
+        f"first difference at position {i} of {len(expected)}: expected {_short(expected[i], 50)}, "
+        f"got {_short(got[i], 50)}{lengths} (expected {_short(expected)}, got {_short(got)})"
+    )
 
 
 def expect_equal(name: str, got, expected) -> None:
@@ -593,7 +687,9 @@ def expect_close(name: str, got, expected, atol: float = 1e-5, rtol: float = 1e-
     """The one comparison: fail with "name: expected …, got …" unless `got` has the structure
     of `expected` (dicts with its keys, sequences of its length), tensors of its shape and dtype
     (a subclass or another object is wrong), and values within atol + rtol·|expected|. NaN or inf
-    where `expected` is finite is wrong; the message gives the worst element."""
+    where `expected` is finite is wrong; the message gives the worst element. A value without a
+    name is "the result"."""
+    name = name or "the result"
     if isinstance(expected, dict):
         _expect_dict(name, got, expected, atol, rtol)
     elif isinstance(expected, tuple | list) and not _plain(expected):
@@ -613,6 +709,8 @@ def expect_close(name: str, got, expected, atol: float = 1e-5, rtol: float = 1e-
     elif type(expected) is str and type(got) is str and got != expected:
         raise AssertionError(f"{name}: {_text_difference(got, expected)}")
     elif not _same(got, expected):
+        if _sequences(got, expected) and (len(got) > 6 or len(expected) > 6):
+            raise AssertionError(f"{name}: {_sequence_difference(got, expected)}")
         raise AssertionError(f"{name}: expected {_short(expected)}, got {_short(got)}")
 
 
@@ -662,7 +760,7 @@ def _expect_dict(name: str, got, expected: dict, atol: float, rtol: float) -> No
     if extra:
         raise AssertionError(f"{name}: unexpected key {extra[0]!r} ({len(extra)} unexpected)")
     for key, e in expected.items():
-        path = f"{name}[{key!r}]" if name else str(key)
+        path = f"{name}[{key!r}]" if name != "the result" else str(key)
         expect_close(path, got[key], e, atol, rtol)
 
 

@@ -185,7 +185,7 @@ def _bfloat16(c: checking.Case, v: Variant, obj) -> None:
     wrong = _dtype_difference(got, want)
     if wrong:
         where, mine, theirs = wrong
-        idea = checking._matching_mistake(vc, entry, got, seed)
+        idea = checking._matching_mistake(vc, entry, got, seed, obj)
         raise AssertionError(
             f"a {_short_dtype(theirs)} input must give a {_short_dtype(theirs)} output: "
             f"{where} is {_short_dtype(mine)} (made in {_short_dtype(mine)}, or computed in it "
@@ -205,7 +205,7 @@ def _bfloat16(c: checking.Case, v: Variant, obj) -> None:
     try:
         checking.expect_close(root, got, want, vc.atol, vc.rtol)
     except AssertionError as e:
-        idea = checking._matching_mistake(vc, entry, got, seed)
+        idea = checking._matching_mistake(vc, entry, got, seed, obj)
         raise AssertionError(
             f"with bfloat16 inputs, {idea or e} (the reference run on the same bfloat16 "
             "inputs; a bfloat16 tolerance)"

@@ -231,7 +231,7 @@ def _watched_softmax(attention_weights, q, k, mask):
 
 case(
     WEIGHTS,
-    "bfloat16 q, k: softmax in float32, weights cast back to q.dtype",
+    "bfloat16 q, k: scores in q's dtype, softmax in float32, weights cast back to q.dtype",
     _qk(1, 2, 6, 16, scale=3.0, dtype=torch.bfloat16),
     _watched_softmax,
     seed=61,
@@ -291,6 +291,16 @@ def weights_zero_fill(q, k, mask=None):
 )
 def weights_low_precision(q, k, mask=None):
     return _scores(q, k, mask, q.shape[-1] ** -0.5).softmax(-1)  # in the input's dtype
+
+
+@mistake(
+    WEIGHTS,
+    "the scores q @ kᵀ were computed in float32: compute them in q's dtype (bfloat16 here), as "
+    "the model does; only the softmax runs in float32",
+)
+def weights_scores_in_float32(q, k, mask=None):
+    s = _scores(q.float(), k.float(), mask, q.shape[-1] ** -0.5)
+    return s.softmax(-1, dtype=torch.float32).to(q.dtype)
 
 
 @mistake(WEIGHTS, "the weights are float32: cast them back to q.dtype after the softmax")
@@ -518,7 +528,7 @@ def _cache_growth(KVCache):
             moves, last = moves + 1, _storage(cache.k)
     return {
         "length after update, before the model commits the pass": length,
-        "steps of 200 in which update returned copies of the storage": copies,
+        "steps of 200 in which update returned tensors that are not views of its storage": copies,
         "at most 8 reallocations of the storage in 200 one-token steps": moves <= 8,
     }
 
@@ -560,8 +570,8 @@ def _retry(KVCache):
     return {"retry after a failed pass: keys": k, "retry after a failed pass: values": v}
 
 
-case(CACHE, "length, views, growth by doubling", lambda g: (), _cache_growth)
 case(CACHE, "two updates with a commit between", lambda g: (), _two_updates)
+case(CACHE, "length, views, growth by doubling", lambda g: (), _cache_growth)
 case(CACHE, "150 one-token steps", lambda g: (), _many_steps)
 case(CACHE, "a retry after a failed pass", lambda g: (), _retry, hidden=True)
 
@@ -1040,6 +1050,42 @@ case(
     REGROUP, "other sizes", lambda g: (randn(2 ** between(g, 0, 3) * 3, 6, g=g), 3, 8), hidden=True
 )
 
+NO_REGROUPING = "a ValueError: neither head count divides the other"
+
+
+def _regroup_invalid(regroup_kv_heads, w, head_dim, n_kv_new):
+    try:
+        regroup_kv_heads(w, head_dim, n_kv_new)
+    except ValueError:
+        return {NO_REGROUPING: True}
+    return {NO_REGROUPING: False}
+
+
+case(REGROUP, "4 -> 3 heads: no such regrouping", lambda g: (NUMBERED, 1, 3), _regroup_invalid)
+case(
+    REGROUP,
+    "4 -> 6 heads, a weight: no such regrouping",
+    lambda g: (randn(4 * 8, 16, g=g), 8, 6),
+    _regroup_invalid,
+    hidden=True,
+)
+
+
+@mistake(
+    REGROUP,
+    "neither count divides the other (4 KV heads into 3 or 6): there is no such regrouping, so "
+    "raise a ValueError naming both counts (not whatever reshape says)",
+)
+def regroup_unchecked(w, head_dim, n_kv_new):
+    n_kv = w.shape[0] // head_dim
+    heads = w.reshape(n_kv, head_dim, *w.shape[1:])
+    if n_kv_new >= n_kv:
+        heads = heads.repeat_interleave(n_kv_new // n_kv, dim=0)
+    else:
+        group = heads.reshape(n_kv_new, n_kv // n_kv_new, head_dim, *w.shape[1:])
+        heads = group.float().mean(dim=1).to(w.dtype)
+    return heads.reshape(n_kv_new * head_dim, *w.shape[1:])
+
 
 @mistake(
     REGROUP,
@@ -1458,9 +1504,11 @@ def _checkpoint(model, prefix="model."):
     return out
 
 
-def _load(load_weights, model, stored, prefix="model."):
+def _load(load_weights, model, stored, prefix="model.", missing=False):
     """Load `stored` into an empty (meta) model of `model`'s config: (the model, the returned
-    map, the keys read in order), or the KeyError raised, as text."""
+    map, the keys read in order). `missing`: a tensor is missing from `stored`, so the KeyError
+    raised is the answer, returned as text; elsewhere a KeyError is the code's own error, and is
+    raised as such (so the message says which key, and where)."""
     reads = []
 
     def get_tensor(key):
@@ -1471,6 +1519,8 @@ def _load(load_weights, model, stored, prefix="model."):
     try:
         sources = load_weights(target, _header_of(stored), get_tensor, prefix)
     except KeyError as e:  # a key the checkpoint does not hold: which one is what matters
+        if not missing:
+            raise
         return target, f"KeyError: {e}", reads
     return target, sources, reads
 
@@ -1538,7 +1588,7 @@ def _load_prefixed(load_weights):
     }
     missing = prefix + "layers.1.mlp.up_proj.weight"
     del stored[missing]
-    _, raised, _ = _load(load_weights, model, stored, prefix)
+    _, raised, _ = _load(load_weights, model, stored, prefix, missing=True)
     out["a tensor missing from the checkpoint raises KeyError naming it"] = (
         isinstance(raised, str) and missing in raised
     )

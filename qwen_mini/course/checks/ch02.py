@@ -645,6 +645,12 @@ for dtype in (torch.float32, torch.bfloat16):
         _logits_given(0.0, 1.0, 2.0, 3.0, dtype=dtype),
         expected=_counts(4),
     )
+case(
+    "ch02.distinct_weights",
+    "equal logits 1, 1, 2 give two different weights (the equal ones count once)",
+    _logits_given(1.0, 1.0, 2.0, dtype=torch.float32),
+    expected=_counts(2),
+)
 # bfloat16 keeps 8 significant bits: between 512 and 1024 its numbers are 4 apart, so 513 rounds
 # to 512 and 515 to 516; 514, halfway, rounds to 512 (the even neighbour).
 for dtype, n in ((torch.float32, 4), (torch.bfloat16, 2)):
@@ -695,6 +701,16 @@ def distinct_logits_not_rounded(logits, dtype):
 def distinct_counts_zeros(logits, dtype):
     w = logits.to(dtype).float().softmax(-1).to(dtype)
     return int(torch.unique(w).numel())
+
+
+@mistake(
+    "ch02.distinct_weights",
+    "the nonzero weights were counted, not the DIFFERENT ones: equal weights count once "
+    "(torch.unique)",
+)
+def distinct_counts_nonzero(logits, dtype):
+    w = logits.to(dtype).float().softmax(-1).to(dtype)
+    return int((w > 0).sum())
 
 
 @mistake("ch02.distinct_weights", "a tensor is returned: return a Python int (int(...))")

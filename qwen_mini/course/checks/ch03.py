@@ -945,6 +945,31 @@ case(
 )
 case("ch03.split_mlp", "one expert", _dense(4, 10, 1), _split, hidden=True)
 
+UNEVEN = "a ValueError: the intermediate size does not split into equal experts"
+
+
+def _split_uneven(split_mlp, dense, E):
+    try:
+        split_mlp(dense, E)
+    except ValueError:
+        return {UNEVEN: True}
+    return {UNEVEN: False}
+
+
+case(
+    "ch03.split_mlp",
+    "a width of 10 into 4 experts: not a whole number of neurons each",
+    _dense(6, 10, 4),
+    _split_uneven,
+)
+case(
+    "ch03.split_mlp",
+    "other uneven sizes",
+    lambda g: _dense(4, 4 * between(g, 1, 4) + between(g, 1, 3), 4)(g),
+    _split_uneven,
+    hidden=True,
+)
+
 
 def _experts_from(chunks, H):
     experts = nn.ModuleList()
@@ -990,6 +1015,20 @@ def split_strided_neurons(mlp, num_experts):
     g, u, d = _weights(mlp)
     E = num_experts
     return _experts_from(((g[e::E], u[e::E], d[:, e::E]) for e in range(E)), g.shape[1])
+
+
+@mistake(
+    "ch03.split_mlp",
+    "an intermediate size not divisible by the number of experts cannot be split into equal "
+    "experts: raise a ValueError naming both sizes (I // E neurons each drops the last ones; "
+    "chunk makes experts of different widths)",
+)
+def split_drops_neurons(mlp, num_experts):
+    g, u, d = _weights(mlp)
+    w = g.shape[0] // num_experts  # the mistake: I % E neurons are silently left out
+    chunks = [(g[e * w : (e + 1) * w], u[e * w : (e + 1) * w], d[:, e * w : (e + 1) * w])
+              for e in range(num_experts)]  # fmt: skip
+    return _experts_from(chunks, g.shape[1])
 
 
 @mistake(
@@ -1311,6 +1350,16 @@ class SharedUngated(ref.SharedExpertMoeBlock):
 class SharedRawLogit(ref.SharedExpertMoeBlock):
     def forward(self, x):
         return _routed(self, x) + self.shared_expert_gate(x) * self.shared_expert(x)
+
+
+@mistake(
+    SHARED,
+    "the shared expert is missing: the block is the routed experts' output PLUS "
+    "sigmoid(shared_expert_gate(x)) * shared_expert(x)",
+)
+class SharedLeftOut(ref.SharedExpertMoeBlock):
+    def forward(self, x):
+        return _routed(self, x)
 
 
 @mistake(

@@ -1073,7 +1073,8 @@ for n in range(8):
 def _budget_variant(kind):
     def budgeted(step, prompt_ids, *, budget, forced_ids, think_id, end_think_id, stop_ids,
                  max_new_tokens, thinking=False):  # fmt: skip
-        feed, inside, spent, forced, n = list(prompt_ids), thinking, 0, False, 0
+        inside = thinking and kind != "thinking ignored"
+        feed, spent, forced, n = list(prompt_ids), 0, False, 0
         while n < max_new_tokens:
             room = max_new_tokens - n
             limit = budget + 1 if kind == "off by one" else budget
@@ -1123,6 +1124,8 @@ for kind, idea in {
     "off by one": "stop after exactly `budget` thinking tokens (budget 3: three of them)",
     "zero is none": "a budget of 0 is a budget (no thinking token at all), not 'no budget': "
     "test `budget is not None`",
+    "thinking ignored": "thinking=True means the prompt already opened <think>: the reply starts "
+    "inside the think block, so its first tokens count towards the budget",
     "outside": "the forced end closes a think block: insert it only inside one (with thinking "
     "off, once the model has opened <think>)",
 }.items():

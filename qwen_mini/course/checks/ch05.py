@@ -645,11 +645,12 @@ def _naive_conv(x, weight, state):
     y = torch.zeros_like(x)
     for t in range(T):
         y[..., t] = (full[..., t : t + K] * weight[:, 0, :]).sum(-1)
-    return {"y [B, C, T]": y, "new state [B, C, K-1]": full[..., -(K - 1) :]}
+    # not full[..., -(K - 1):]: with K = 1 that is full[..., -0:], every input
+    return {"y [B, C, T]": y, "new state [B, C, K-1]": full[..., full.shape[-1] - (K - 1) :]}
 
 
 def _conv_hidden(g):
-    return _conv_inputs(between(g, 1, 3), between(g, 1, 6), between(g, 1, 12), between(g, 2, 5))(g)
+    return _conv_inputs(between(g, 1, 3), between(g, 1, 6), between(g, 1, 12), between(g, 1, 5))(g)
 
 
 case(
@@ -690,6 +691,16 @@ case(
     seed=96,
 )
 
+case(
+    CONV,
+    "a kernel of 1: no state (K-1 = 0 inputs), y = w * x",
+    _conv_inputs(2, 3, 4, 1),
+    _conv,
+    _naive_conv,
+    atol=1e-5,
+    seed=98,
+)
+
 
 def _conv_bf16(g):
     return tuple(t.to(torch.bfloat16) for t in _conv_inputs(1, 3, 5, 4)(g))
@@ -698,6 +709,15 @@ def _conv_bf16(g):
 case(CONV, "bfloat16 in, bfloat16 out", _conv_bf16, _conv, atol=2e-2, rtol=2e-2, seed=97)
 for n in range(2):
     case(CONV, f"other kernels {n + 1}", _conv_hidden, _conv, _naive_conv, atol=1e-5, hidden=True)
+case(
+    CONV,
+    "a kernel of 1, one token at a time",
+    lambda g: _conv_inputs(between(g, 1, 3), between(g, 1, 6), 1, 1)(g),
+    _conv,
+    _naive_conv,
+    atol=1e-5,
+    hidden=True,
+)
 
 
 @mistake(
@@ -729,6 +749,17 @@ def conv_state_from_x_only(x, weight, conv_state):
     y, _ = ref.causal_conv1d(x, weight, conv_state)
     K = weight.shape[-1]
     return y, F.pad(x, (max(0, K - 1 - x.shape[-1]), 0))[..., -(K - 1) :]
+
+
+@mistake(
+    CONV,
+    "a kernel of 1 keeps no state: x[..., -(K-1):] with K - 1 = 0 is x[..., -0:], the WHOLE "
+    "tensor; slice from the end's position instead, full[..., full.shape[-1] - (K - 1):]",
+)
+def conv_state_negative_zero(x, weight, conv_state):
+    y, _ = ref.causal_conv1d(x, weight, conv_state)
+    K = weight.shape[-1]
+    return y, torch.cat([conv_state, x], -1)[..., -(K - 1) :]
 
 
 # --- GatedRMSNorm -------------------------------------------------------------------------------

@@ -213,6 +213,12 @@ case(
 )
 case(
     SCORES,
+    "no complete block yet (n = 0): scores [B, T, 0]",
+    _score_inputs(n=0),
+    expected=naive_scores,
+)
+case(
+    SCORES,
     "other sizes",
     lambda g: _score_inputs(
         between(g, 1, 2), between(g, 1, 4), between(g, 1, 5), between(g, 1, 6), 4 * between(g, 1, 4)
@@ -301,6 +307,26 @@ case(
 case(SELECT, "top 0: the tail only", _select_inputs(1, 9, 9, 2, 0), expected=naive_select)
 case(
     SELECT,
+    "a prompt shorter than the budget: 7 tokens, blocks of 2 (3 complete), top 5",
+    _select_inputs(2, 7, 7, 2, 5),
+    expected=naive_select,
+    seed=3,
+)
+case(
+    SELECT,
+    "decoding when the context holds fewer blocks than top_blocks",
+    lambda g: _select_inputs(1, 1, between(g, 1, 12), between(g, 2, 4), between(g, 4, 8))(g),
+    expected=naive_select,
+    hidden=True,
+)
+case(
+    SELECT,
+    "a prompt of 3 tokens, blocks of 4: no complete block (n = 0), the tail only",
+    _select_inputs(2, 3, 3, 4, 2),
+    expected=naive_select,
+)
+case(
+    SELECT,
     "other sizes",
     lambda g: _select_inputs(
         between(g, 1, 2), between(g, 1, 6), between(g, 6, 20), between(g, 2, 4), between(g, 1, 4)
@@ -385,6 +411,27 @@ def select_queries_from_zero(scores, t_all, ratio, top_blocks):
     chosen = torch.zeros(B, T, n, dtype=torch.bool)
     if min(top_blocks, n) > 0:
         top = scores.masked_fill(~seen, float("-inf")).topk(min(top_blocks, n), dim=-1).indices
+        chosen = chosen.scatter(-1, top, True) & seen
+    k_pos = torch.arange(t_all)
+    keep = ((k_pos >= complete * ratio) & (k_pos <= q_pos)).expand(B, T, t_all)
+    if n:
+        keep = keep | (chosen[..., (k_pos // ratio).clamp(max=n - 1)] & (k_pos < n * ratio))
+    return keep
+
+
+@mistake(
+    SELECT,
+    "top_blocks is a budget, not a count that exists: a context shorter than the budget has "
+    "fewer blocks, so keep min(top_blocks, n) of them (topk(k) needs k <= n)",
+)
+def select_uncapped(scores, t_all, ratio, top_blocks):
+    B, T, n = scores.shape
+    q_pos = torch.arange(t_all - T, t_all)[:, None]
+    complete = (q_pos + 1) // ratio
+    seen = torch.arange(n) < complete
+    chosen = torch.zeros(B, T, n, dtype=torch.bool)
+    if top_blocks > 0:  # the mistake: topk of more blocks than there are
+        top = scores.masked_fill(~seen, float("-inf")).topk(top_blocks, dim=-1).indices
         chosen = chosen.scatter(-1, top, True) & seen
     k_pos = torch.arange(t_all)
     keep = ((k_pos >= complete * ratio) & (k_pos <= q_pos)).expand(B, T, t_all)

@@ -521,8 +521,10 @@ class Connection:
             raise
         except ProtocolError as e:
             raise BadMessage(str(e)) from None
-        except Exception as e:
-            result = {"raise": {"type": type(e).__name__, "msg": str(e)[:2000]}}
+        except Exception as e:  # a KeyError as its key: the worker's KeyError(key) reads as e
+            key = isinstance(e, KeyError) and len(e.args) == 1 and type(e.args[0]) is str
+            text = e.args[0] if key else str(e)
+            result = {"raise": {"type": type(e).__name__, "msg": text[:2000]}}
         finally:
             self.depth -= 1
         self._send(dict(result, id=m.get("id")))

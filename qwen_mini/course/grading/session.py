@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import observing
-from ..checking import learner_line
+from ..checking import crash_idea, learner_line
 from .cpu import Clock
 from .plan import GraderError, Reference, Submission
 from .protocol import WrongType
@@ -344,7 +344,7 @@ class Session:
                     at = f" at {where}" if where else ""
                     return "failed", f"a hidden check failed: {name} ({what}{at})"
                 at = f" ({where})" if where else ""
-                return "failed", f"{name} failed: {what}: {str(e)[:500]}{at}"
+                return "failed", f"{name} failed: {what}: {str(e)[:500]}{at}{crash_idea(e)}"
         return "passed", f"passed {len(checks)}/{len(checks)} checks"
 
     def _use(self, exercise: str, obj) -> bool:

@@ -17,6 +17,10 @@ def kv_bytes_per_token(cfg, dtype_bytes: int = 2) -> int:
 def regroup_kv_heads(w: torch.Tensor, head_dim: int, n_kv_new: int) -> torch.Tensor:
     """[n_kv * head_dim, ...] -> [n_kv_new * head_dim, ...]: repeat heads, or average them."""
     n_kv = w.shape[0] // head_dim
+    if n_kv_new < 1 or max(n_kv, n_kv_new) % min(n_kv, n_kv_new):
+        raise ValueError(
+            f"cannot regroup {n_kv} KV heads into {n_kv_new}: one count must divide the other"
+        )
     heads = w.reshape(n_kv, head_dim, *w.shape[1:])
     if n_kv_new >= n_kv:  # each head copied next to itself: query head h still finds h // n_rep
         heads = heads.repeat_interleave(n_kv_new // n_kv, dim=0)
