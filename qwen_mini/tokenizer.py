@@ -144,6 +144,11 @@ class Tokenizer:
         self.end_think_id = self.token_to_id("</think>")
 
         eos = _token_text(self.config.get("eos_token")) or "<|im_end|>"
+        if self.token_to_id(eos) is None:
+            raise TokenizerError(
+                f"{self.path.parent / 'tokenizer_config.json'}: eos_token is {eos!r}, which "
+                f"{self.path.name} does not have; copy both files from the same checkpoint."
+            )
         self.eos_token_id = self._require(eos)
         stops = [self.eos_token_id, self.im_end_id, self.endoftext_id]
         self.eos_token_ids = tuple(dict.fromkeys(stops))  # without duplicates, in order
@@ -303,6 +308,11 @@ class Tokenizer:
         except jinja2.TemplateError as e:  # the template's own raise_exception, or a bad value
             raise TokenizerError(
                 f"the chat template next to {self.path} refused this conversation: {e}"
+            ) from None
+        except (TypeError, ValueError, ArithmeticError) as e:  # the template's code failed
+            raise TokenizerError(
+                f"the chat template next to {self.path} failed on this conversation "
+                f"({type(e).__name__}: {e}); is it the template of this tokenizer?"
             ) from None
 
 

@@ -897,6 +897,8 @@ def tokenizer_cases() -> list[tuple[str, bytes]]:
         ("tokenizer_config.json", b'{"chat_template": [1]}'),
         ("chat_template.jinja", b"{% for m in messages %}"), ("chat_template.jinja", b"\xff\xfe"),
         ("chat_template.jinja", b"{{ 1 + }}"),
+        ("tokenizer_config.json", b'{"eos_token": "<nope>"}'),
+        ("tokenizer_config.json", b'{"eos_token": {"content": "<nope>"}}'),
     ]  # fmt: skip
 
 
@@ -976,6 +978,22 @@ def test_added_tokens_decoder_not_an_object_is_refused(bases, tmp_path):
     with pytest.raises(BaseException) as e:
         load_tokenizer(folder)
     assert_clear_error(e.value, ["tokenizer_config.json", "added_tokens_decoder"])
+
+
+@pytest.mark.parametrize(
+    "template",
+    ["{% for i in range(10**9) %}x{% endfor %}", "{{ 'a' + 1 }}",
+     "{{ (messages | length) / 0 }}", "{{ foo() }}"],
+    ids=["huge-range", "text-plus-number", "division-by-zero", "undefined-function"],
+)  # fmt: skip
+def test_a_template_whose_code_fails_is_named(bases, tmp_path, template):
+    """transformers raises the template's own error (OverflowError, TypeError, ...)."""
+    folder = copy(bases["tokenizer"], tmp_path / "tok")
+    replace_file(folder / "chat_template.jinja", template.encode())
+    tok = load_tokenizer(folder)
+    with pytest.raises(BaseException) as e:
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert_clear_error(e.value, ["chat template", "tokenizer.json"])
 
 
 # --- the runtime: settings, ids, text, messages -----------------------------------------------
