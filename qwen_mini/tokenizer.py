@@ -38,7 +38,7 @@ import tokenizers
 
 from .config import ASSETS
 from .families import family_of
-from .validation import read_json_object
+from .validation import as_path, read_json_object
 
 VENDORED_QWEN3 = ASSETS / "tokenizers" / "qwen3"
 VENDORED_QWEN3_5 = ASSETS / "tokenizers" / "qwen3_5"
@@ -517,7 +517,7 @@ def load_tokenizer(name_or_path: str | Path = "Qwen/Qwen3-0.6B") -> Tokenizer:
     - "Qwen/Qwen3.5-0.8B" (any Qwen3.5 or Qwen3.6 name): its downloaded files likewise, else the
       generated Qwen3.5 tokenizer, which has no chat template (none could be obtained offline).
     """
-    path = Path(name_or_path).expanduser()
+    path = as_path(name_or_path, "load_tokenizer: name_or_path")
     if path.is_file() and path.name in ("tokenizer.json", "tokenizer.json.gz"):
         path = path.parent
     if path.is_dir():

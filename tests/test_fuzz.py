@@ -762,6 +762,14 @@ def test_dtype_none_or_a_name_loads_as_transformers(bases, dtype):
         torch.testing.assert_close(model(IDS), hf_logits(reference, IDS), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("where", [5, None, "", b"model", "~no-such-user-here/model"], ids=repr)
+@pytest.mark.parametrize("load", [load_model, load_checkpoint, load_tokenizer])
+def test_a_path_that_is_no_path_is_refused(load, where):
+    with pytest.raises(BaseException) as e:
+        load(where)
+    assert_clear_error(e.value, [repr(where) if where != "~no-such-user-here/model" else "~"])
+
+
 # --- Qwen Sparse Attention: ties at the top-k boundary, broken as transformers breaks them ----
 
 
