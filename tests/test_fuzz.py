@@ -1073,6 +1073,42 @@ def test_bad_input_ids_in_a_forward_are_refused(model, input_ids):
     assert cache.length == 0
 
 
+@pytest.mark.parametrize("input_ids", [[[1, 2]], ((1, 2),), "12", None], ids=repr)
+def test_input_ids_that_are_no_tensor_are_refused(model, input_ids):
+    with pytest.raises(BaseException) as e:
+        model(input_ids)
+    assert_clear_error(e.value, ["input_ids", "torch.Tensor"])
+
+
+@pytest.mark.parametrize("batch_size", [0, -1, 1.5, "2", True, None], ids=repr)
+def test_a_cache_of_no_rows_is_refused(model, batch_size):
+    with pytest.raises(BaseException) as e:
+        model.new_cache(batch_size=batch_size)
+    assert_clear_error(e.value, ["batch_size"])
+
+
+@pytest.mark.parametrize("other", ["qwen3_5", "dict", "list"])
+def test_a_cache_not_made_by_this_model_is_refused(model, other):
+    cache = {"dict": {}, "list": []}[other] if other in ("dict", "list") else None
+    cache = tiny_model(other).new_cache() if cache is None else cache
+    with pytest.raises(BaseException) as e:
+        model(torch.tensor([[1, 2]]), cache=cache)
+    assert_clear_error(e.value, ["cache", "new_cache"])
+
+
+@pytest.mark.parametrize("prompt", [None, "hello", b"hi", 5], ids=repr)
+def test_a_prompt_that_is_no_list_of_ids_is_refused(model, prompt):
+    with pytest.raises(BaseException) as e:
+        generate_tokens(model, prompt, max_new_tokens=1)
+    assert_clear_error(e.value, ["prompt ids"])
+
+
+def test_sampling_given_as_a_dict_is_refused(model):
+    with pytest.raises(BaseException) as e:
+        generate_tokens(model, [1, 2], max_new_tokens=1, sampling={"temperature": 1.0})
+    assert_clear_error(e.value, ["sampling", "Sampling"])
+
+
 def test_padding_rows_decode_to_nothing_and_other_ids_are_refused(tok):
     assert tok.decode([151935]) == ""  # the real model's last embedding row: padding
     assert tok.decode(tok.encode("hi")) == "hi"
