@@ -33,7 +33,7 @@ from .generation import check_generation_config
 from .model import CausalLM
 from .runtime import convert_for_runtime
 from .safetensors_file import read_safetensors_header
-from .validation import ConfigError, read_json_object
+from .validation import ConfigError, as_path, read_json_object
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -669,7 +669,8 @@ def load_checkpoint(
     Everything is checked before a tensor is read: the config's fields, the weights' headers,
     names, shapes and dtypes, the size against the files and the memory, generation_config.json.
     """
-    folder, dtype, device = Path(folder).expanduser(), checked_dtype(dtype), checked_device(device)
+    folder, dtype = as_path(folder, "load_checkpoint: folder"), checked_dtype(dtype)
+    device = checked_device(device)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a folder. Pass the folder that holds config.json.")
     config_file = folder / "config.json"
@@ -776,7 +777,7 @@ def scan_nonfinite(folder: str | Path, rows: int = 4096) -> list[tuple[Path, str
     """(file, tensor, how many values are NaN or infinite, of how many) for every stored tensor
     that holds any: a full read of the weights, so only on request (`qwen-mini doctor --scan`).
     Read in blocks of `rows` rows, so the scan needs little memory beyond the mapped file."""
-    folder = Path(folder).expanduser()
+    folder = as_path(folder, "scan_nonfinite: folder")
     _, stored = _stored_tensors(folder)
     found = []
     for path in sorted({path for path, _, _ in stored.values()}):

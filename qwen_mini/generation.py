@@ -263,8 +263,18 @@ def generate_tokens(
     # the first next(): a generator function would defer even its first line.
     if sampling is None:
         sampling = Sampling.for_model(model, **settings)
+    elif not isinstance(sampling, Sampling):
+        raise TypeError(
+            f"sampling must be a Sampling (or give its fields as keywords), got "
+            f"{type(sampling).__name__}."
+        )
     elif settings:
         sampling = replace(sampling, **settings)
+    if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__"):
+        raise TypeError(
+            f"prompt ids must be a list of token ids (tokenizer.encode(text) gives one), got "
+            f"{type(prompt_ids).__name__}."
+        )
     prompt_ids = list(prompt_ids)
     _check_prompt(model, prompt_ids, max_new_tokens)
     prompt_ids = [int(i) for i in prompt_ids]

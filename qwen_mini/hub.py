@@ -22,6 +22,7 @@ from .architectures import Architecture, config_from_file
 from .checkpoint import INDEX_FILE, SINGLE_FILE, checked_device, checked_dtype, load_checkpoint
 from .model import CausalLM
 from .standin import STANDINS, load_standin
+from .validation import as_path
 
 # the models this course is written for, with their model_type
 KNOWN_MODELS = {
@@ -112,7 +113,7 @@ def _looks_like_repo(name: str) -> bool:
 
 def _find(name_or_path: str | Path, searched: list[str]) -> tuple[Path, str] | None:
     """(folder, source) on this machine, or None; each place looked at goes into `searched`."""
-    path = Path(name_or_path).expanduser()
+    path = as_path(name_or_path, "the model")
     if path.is_dir():
         return path, "path"
     name = known_name(str(name_or_path)) or str(name_or_path)
@@ -222,6 +223,7 @@ def load_model(
     The model's `source` says where it came from and `is_standin` whether it is the stand-in.
     """
     device, dtype = checked_device(device), checked_dtype(dtype)  # before any download
+    as_path(name_or_path, "load_model: name_or_path")
     found = resolve(name_or_path, download=download)
     if found.path is not None:
         return load_checkpoint(found.path, dtype, arch, device)

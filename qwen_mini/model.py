@@ -51,6 +51,10 @@ class CausalLM(nn.Module):
 
     def new_cache(self, batch_size: int = 1) -> Cache:
         """An empty cache: one state per layer, of the kind that layer's mixer keeps."""
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(
+                f"new_cache: batch_size must be a whole number >= 1, got {batch_size!r}."
+            )
         w = self.model.embed_tokens.weight
         # a layer that keeps more than its mixer's state (an n-gram embedding's) makes its own
         states = [
@@ -69,6 +73,18 @@ class CausalLM(nn.Module):
         """`forward_pass(self, input_ids, cache, last_only)`, made safe to call: the input and
         the context length are checked first, and the cache is committed only once the whole
         pass has run (discarded if it fails), so it never describes half a pass."""
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(
+                f"input_ids must be a torch.Tensor [batch, tokens] of token ids "
+                f"(torch.tensor([[...]])), got {type(input_ids).__name__}."
+            )
+        if cache is not None and not (
+            isinstance(cache, Cache) and len(cache.layers) == len(self.model.layers)
+        ):
+            raise TypeError(
+                "cache must come from this model's new_cache() (one state per layer, "
+                f"{len(self.model.layers)} layers), got {type(cache).__name__}."
+            )
         if input_ids.dim() != 2:
             shape = list(input_ids.shape)
             raise ValueError(f"input_ids must be [batch, tokens], got shape {shape}.")

@@ -38,7 +38,7 @@ import tokenizers
 
 from .config import ASSETS
 from .families import family_of
-from .validation import read_json_object
+from .validation import as_path, read_json_object
 
 VENDORED_QWEN3 = ASSETS / "tokenizers" / "qwen3"
 VENDORED_QWEN3_5 = ASSETS / "tokenizers" / "qwen3_5"
@@ -144,6 +144,11 @@ class Tokenizer:
         self.end_think_id = self.token_to_id("</think>")
 
         eos = _token_text(self.config.get("eos_token")) or "<|im_end|>"
+        if self.token_to_id(eos) is None:
+            raise TokenizerError(
+                f"{self.path.parent / 'tokenizer_config.json'}: eos_token is {eos!r}, which "
+                f"{self.path.name} does not have; copy both files from the same checkpoint."
+            )
         self.eos_token_id = self._require(eos)
         stops = [self.eos_token_id, self.im_end_id, self.endoftext_id]
         self.eos_token_ids = tuple(dict.fromkeys(stops))  # without duplicates, in order
@@ -303,6 +308,11 @@ class Tokenizer:
         except jinja2.TemplateError as e:  # the template's own raise_exception, or a bad value
             raise TokenizerError(
                 f"the chat template next to {self.path} refused this conversation: {e}"
+            ) from None
+        except (TypeError, ValueError, ArithmeticError) as e:  # the template's code failed
+            raise TokenizerError(
+                f"the chat template next to {self.path} failed on this conversation "
+                f"({type(e).__name__}: {e}); is it the template of this tokenizer?"
             ) from None
 
 
@@ -507,7 +517,7 @@ def load_tokenizer(name_or_path: str | Path = "Qwen/Qwen3-0.6B") -> Tokenizer:
     - "Qwen/Qwen3.5-0.8B" (any Qwen3.5 or Qwen3.6 name): its downloaded files likewise, else the
       generated Qwen3.5 tokenizer, which has no chat template (none could be obtained offline).
     """
-    path = Path(name_or_path).expanduser()
+    path = as_path(name_or_path, "load_tokenizer: name_or_path")
     if path.is_file() and path.name in ("tokenizer.json", "tokenizer.json.gz"):
         path = path.parent
     if path.is_dir():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 # the dtype names config.json may give for the weights (`dtype`, or `torch_dtype` before
@@ -53,6 +54,17 @@ MAX_DEPTH = 64  # a config.json nests 3 levels deep; a file nested thousands dee
 class ConfigError(ValueError):
     """A config.json whose values qwen_mini cannot build the model from; the message lists each
     bad field."""
+
+
+def as_path(value: object, what: str) -> Path:
+    """`value` (a str or os.PathLike) as a Path, `~` expanded; a ValueError naming `what` for
+    anything else (a number, None, ""), or for a `~user` with no home folder."""
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise ValueError(f"{what} must be a non-empty path or name (a string), got {value!r}.")
+    try:
+        return Path(value).expanduser()
+    except RuntimeError:  # "~someone" of no such user
+        raise ValueError(f"{what} {str(value)!r}: no home folder for its '~'.") from None
 
 
 def read_json(path: Path) -> object:

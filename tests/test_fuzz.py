@@ -762,6 +762,14 @@ def test_dtype_none_or_a_name_loads_as_transformers(bases, dtype):
         torch.testing.assert_close(model(IDS), hf_logits(reference, IDS), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("where", [5, None, "", b"model", "~no-such-user-here/model"], ids=repr)
+@pytest.mark.parametrize("load", [load_model, load_checkpoint, load_tokenizer])
+def test_a_path_that_is_no_path_is_refused(load, where):
+    with pytest.raises(BaseException) as e:
+        load(where)
+    assert_clear_error(e.value, [repr(where) if where != "~no-such-user-here/model" else "~"])
+
+
 # --- Qwen Sparse Attention: ties at the top-k boundary, broken as transformers breaks them ----
 
 
@@ -897,6 +905,8 @@ def tokenizer_cases() -> list[tuple[str, bytes]]:
         ("tokenizer_config.json", b'{"chat_template": [1]}'),
         ("chat_template.jinja", b"{% for m in messages %}"), ("chat_template.jinja", b"\xff\xfe"),
         ("chat_template.jinja", b"{{ 1 + }}"),
+        ("tokenizer_config.json", b'{"eos_token": "<nope>"}'),
+        ("tokenizer_config.json", b'{"eos_token": {"content": "<nope>"}}'),
     ]  # fmt: skip
 
 
@@ -978,6 +988,22 @@ def test_added_tokens_decoder_not_an_object_is_refused(bases, tmp_path):
     assert_clear_error(e.value, ["tokenizer_config.json", "added_tokens_decoder"])
 
 
+@pytest.mark.parametrize(
+    "template",
+    ["{% for i in range(10**9) %}x{% endfor %}", "{{ 'a' + 1 }}",
+     "{{ (messages | length) / 0 }}", "{{ foo() }}"],
+    ids=["huge-range", "text-plus-number", "division-by-zero", "undefined-function"],
+)  # fmt: skip
+def test_a_template_whose_code_fails_is_named(bases, tmp_path, template):
+    """transformers raises the template's own error (OverflowError, TypeError, ...)."""
+    folder = copy(bases["tokenizer"], tmp_path / "tok")
+    replace_file(folder / "chat_template.jinja", template.encode())
+    tok = load_tokenizer(folder)
+    with pytest.raises(BaseException) as e:
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert_clear_error(e.value, ["chat template", "tokenizer.json"])
+
+
 # --- the runtime: settings, ids, text, messages -----------------------------------------------
 
 
@@ -1045,6 +1071,42 @@ def test_bad_input_ids_in_a_forward_are_refused(model, input_ids):
         model(input_ids, cache=cache)
     assert_clear_error(e.value, ["input_ids"])
     assert cache.length == 0
+
+
+@pytest.mark.parametrize("input_ids", [[[1, 2]], ((1, 2),), "12", None], ids=repr)
+def test_input_ids_that_are_no_tensor_are_refused(model, input_ids):
+    with pytest.raises(BaseException) as e:
+        model(input_ids)
+    assert_clear_error(e.value, ["input_ids", "torch.Tensor"])
+
+
+@pytest.mark.parametrize("batch_size", [0, -1, 1.5, "2", True, None], ids=repr)
+def test_a_cache_of_no_rows_is_refused(model, batch_size):
+    with pytest.raises(BaseException) as e:
+        model.new_cache(batch_size=batch_size)
+    assert_clear_error(e.value, ["batch_size"])
+
+
+@pytest.mark.parametrize("other", ["qwen3_5", "dict", "list"])
+def test_a_cache_not_made_by_this_model_is_refused(model, other):
+    cache = {"dict": {}, "list": []}[other] if other in ("dict", "list") else None
+    cache = tiny_model(other).new_cache() if cache is None else cache
+    with pytest.raises(BaseException) as e:
+        model(torch.tensor([[1, 2]]), cache=cache)
+    assert_clear_error(e.value, ["cache", "new_cache"])
+
+
+@pytest.mark.parametrize("prompt", [None, "hello", b"hi", 5], ids=repr)
+def test_a_prompt_that_is_no_list_of_ids_is_refused(model, prompt):
+    with pytest.raises(BaseException) as e:
+        generate_tokens(model, prompt, max_new_tokens=1)
+    assert_clear_error(e.value, ["prompt ids"])
+
+
+def test_sampling_given_as_a_dict_is_refused(model):
+    with pytest.raises(BaseException) as e:
+        generate_tokens(model, [1, 2], max_new_tokens=1, sampling={"temperature": 1.0})
+    assert_clear_error(e.value, ["sampling", "Sampling"])
 
 
 def test_padding_rows_decode_to_nothing_and_other_ids_are_refused(tok):
