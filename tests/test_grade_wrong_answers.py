@@ -260,6 +260,31 @@ EXTRA += [
         "must yield each item as it makes it",
     ),
     (
+        "ch00.rope_cos_sin",
+        """def rope_cos_sin(positions, head_dim, theta, dtype=torch.float32):
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)  # no device=
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)""",
+        DEVICE,
+    ),
+    (
+        "ch02.rope_bias_term",
+        """def rope_bias_term(b_q, b_k, cos, sin):
+    T, D = cos.shape
+    out = torch.zeros(T, T)  # no device=
+
+    def rotated(b):
+        b1, b2 = b.chunk(2, dim=-1)
+        return b * cos + torch.cat([-b2, b1], dim=-1) * sin  # [T, D]
+
+    q, k = rotated(b_q.expand(T, D)), rotated(b_k.expand(T, D))
+    for i in range(T):
+        out[i] = k @ q[i]
+    return out""",
+        DEVICE,
+    ),
+    (
         "ch01.model_forward",
         """from qwen_mini.rope_scaling import rotary_cos_sin
 

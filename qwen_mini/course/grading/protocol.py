@@ -334,7 +334,8 @@ class Codec:
             sid = len(self.storages) + 1
             self.storages[ptr] = (sid, storage)  # kept alive: its address stays its own
             self.storage_bytes += nbytes
-        raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
+        # device="cpu": this may run inside a call made with the default device set to meta
+        raw = torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage, 0, (nbytes,), (1,))
         extra = {"ph": self.storage_origin[ptr]} if ptr in self.storage_origin else {}
         return extra | {
             "sid": sid,
@@ -497,7 +498,9 @@ class Codec:
         cached = self.tensor_cache.get(dt_shape)
         if cached is not None and cached.untyped_storage().data_ptr() == buf.data_ptr():
             return cached  # the same view of the same storage: the same tensor, as there
-        view = torch.empty(0, dtype=dt).set_(buf.untyped_storage(), offset, shape, stride)
+        view = torch.empty(0, dtype=dt, device="cpu").set_(
+            buf.untyped_storage(), offset, shape, stride
+        )
         self.tensor_cache[dt_shape] = view
         return view
 
@@ -521,7 +524,8 @@ class Codec:
         if offset == 0 and list(g.shape) == shape and list(g.stride()) == stride:
             return g
         base = g.storage_offset()
-        return torch.empty(0, dtype=dt).set_(g.untyped_storage(), base + offset, shape, stride)
+        empty = torch.empty(0, dtype=dt, device="cpu")
+        return empty.set_(g.untyped_storage(), base + offset, shape, stride)
 
     def _decode_copy(self, value: dict) -> torch.Tensor:
         dtype, shape, data = value.get("dtype"), value.get("shape"), value.get("data")
