@@ -217,6 +217,8 @@ EXTRA += [
         "ch01.regroup_kv_heads",
         """def regroup_kv_heads(w, head_dim, n_kv_new):
     n_kv = w.shape[0] // head_dim
+    if max(n_kv, n_kv_new) % min(n_kv, n_kv_new):
+        raise ValueError(f"{n_kv} KV heads cannot be regrouped into {n_kv_new}")
     heads = w.reshape(n_kv, head_dim, *w.shape[1:])
     if n_kv_new >= n_kv:
         heads = heads.repeat_interleave(n_kv_new // n_kv, dim=0)
@@ -357,6 +359,8 @@ def model_forward(model, input_ids, cache=None, last_only=False):
 
 def split_mlp(mlp, num_experts):
     H, I = mlp.gate_proj.in_features, mlp.gate_proj.out_features
+    if I % num_experts:
+        raise ValueError(f"{I} neurons do not split into {num_experts} equal experts")
     width = I // num_experts
     experts = []  # a plain list
     for e in range(num_experts):
@@ -376,6 +380,8 @@ def split_mlp(mlp, num_experts):
 
 def split_mlp(mlp, num_experts):
     H, I = mlp.gate_proj.in_features, mlp.gate_proj.out_features
+    if I % num_experts:
+        raise ValueError(f"{I} neurons do not split into {num_experts} equal experts")
     width = I // num_experts
     experts = nn.ModuleList(MLP(H, width) for _ in range(num_experts))  # float32 whatever mlp is
     with torch.no_grad():
