@@ -172,17 +172,23 @@ def piece_source(exercise_id: str, obj) -> str:
     the names it takes from other exercises, bound when the piece is loaded."""
     exercises = _exercise_objects()  # id(reference) -> exercise id
     imports, helpers, uses, seen = ["import torch"], [], {}, {obj.__name__}
-    fn = _own_function(obj)
-    namespace = fn.__globals__ if fn else {}
 
     def gather(value) -> str:
         source = _definition(value)
+        # each definition's names are those of the module it was made in: a helper copied from
+        # a kept piece (your apply_rope, loaded in this kernel) calls that piece's rotate_half
+        namespace = _own_function(value).__globals__
         for name in _free_names(source):
             if name in seen:
                 continue
             seen.add(name)
             if name not in namespace:
-                continue  # a builtin, or never defined (it would raise NameError there too)
+                if hasattr(builtins, name):
+                    continue
+                raise NotKept(
+                    f"it uses `{name}`, which is not defined in this kernel: define it (run its "
+                    f"cell), then check again"
+                )
             dep = namespace[name]
             if hasattr(builtins, name) and _is_builtin_like(dep):
                 continue  # IPython puts its own open() in the namespace
@@ -294,6 +300,14 @@ def _load_one(path: Path, resolve) -> object:
     namespace = {"__name__": f"qwen_mini_mine.{exercise_id}", "__file__": str(path)}
     namespace.update({n: resolve(x) for n, x in header["__uses__"].items()})
     exec(compile(tree, str(path), "exec"), namespace)
+    # a name the piece reads that nothing binds would fail only when that line runs, inside a
+    # check, and read as a wrong answer: say now that the piece does not load
+    missing = [n for n in _free_names(text) if n not in namespace and not hasattr(builtins, n)]
+    if missing:
+        raise NameError(
+            f"{', '.join(missing)} not defined in {path.name} (keep the piece again: run the "
+            f"cell of {exercise_id} and its check)"
+        )
     return namespace[name]
 
 
@@ -319,11 +333,15 @@ def load(notebooks: Path | str = ".", only: list[str] | None = None) -> dict[str
         try:
             obj = _load_one(path, resolve)
         except Exception as e:  # the learner's code: any error means "not usable"
-            return Piece(exercise_id, "package", ref, f"yours does not load: {e!r}")
+            why = f"yours does not load: {type(e).__name__}: {e}"
+            return Piece(exercise_id, "package", ref, why)
         with contextlib.redirect_stdout(io.StringIO()):  # what the learner's code prints
             result = checking.run_checks(exercise_id, obj)
         if not result.ok:
             return Piece(exercise_id, "package", ref, f"yours no longer passes: {result.message}")
+        # a later piece that calls this one (your Attention calling your apply_rope, loaded in
+        # a kernel by mine()) names the exercise instead of copying it
+        _PASSED.append((exercise_id, obj))
         return Piece(exercise_id, "learner", obj)
 
     for exercise_id in only if only is not None else [e.id for e in all_exercises()]:
