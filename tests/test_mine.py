@@ -305,9 +305,9 @@ def test_pieces_chain_across_processes(tmp_path, qwen_mini):
     # a piece kept before this was fixed copied apply_rope without its rotate_half: it says that
     # it does not load, never that it fails a check
     path = kept(home, folder) / "ch01.Attention.py"
-    path.write_text(text.replace('"apply_rope": "ch00.apply_rope", ', "").replace(
-        "class Attention", "def apply_rope(x, cos, sin):\n    return rotate_half(x)\n\n\nclass Attention"
-    ))  # fmt: skip
+    copied = "def apply_rope(x, cos, sin):\n    return rotate_half(x)\n\n\nclass Attention"
+    text = text.replace('"apply_rope": "ch00.apply_rope", ', "")
+    path.write_text(text.replace("class Attention", copied))
     progress = qwen_mini("progress", "--dir", str(folder), home=home)[0]
     assert re.search(
         r"ch01\.Attention\s+package's\s+yours does not load: NameError: rotate_half not defined",
