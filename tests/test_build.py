@@ -488,3 +488,21 @@ def test_two_notebooks_export_into_one_module(tree, capsys):
     user = (tree / "qwen_mini" / "user.py").read_text()
     assert "from qwen_mini.parts import Variant" in user and "class Variant" not in user
     assert build.main(["--root", str(tree), "--check"]) == 0
+
+
+def test_learner_copies_are_written_as_the_build_makes_them(tree, capsys, tmp_path_factory):
+    """What CI runs with nbval: the build's learner copies, never course/'s working copies."""
+    built(tree, capsys)
+    notebook = learners_work(tree)
+    out = tmp_path_factory.mktemp("copies")
+    assert build.main(["--root", str(tree), "--learner-copies", str(out)]) == 0
+    assert "wrote 1 learner notebooks" in capsys.readouterr().out
+    assert [p.name for p in out.iterdir()] == [FIXTURE.name]
+    assert (out / FIXTURE.name).read_text() == fresh(tree)
+    assert (out / FIXTURE.name).read_text() != notebook.read_text()
+
+
+def fresh(tree):
+    return nbs.dumps(
+        build.learner_notebook(nbs.load(tree / "solutions" / FIXTURE.name), FIXTURE.name)
+    )
