@@ -155,6 +155,31 @@ def _import_line(name: str, value) -> str | None:
     return f"from {module} import {qualname}" + (f" as {name}" if qualname != name else "")
 
 
+def _package_twin(name: str, value) -> str | None:
+    """An import of the package's own copy of `value`, a function or class the notebook defines
+    in a given cell that is exported to the package (chapter 4's encode_plain, whose cache is
+    a dict of tokenizers): the same definition, statement for statement. None otherwise."""
+    if not isinstance(value, types.FunctionType | type) or _own_function(value) is None:
+        return None
+    try:
+        ours = ast.dump(ast.parse(_definition(value)))
+    except (NotKept, SyntaxError):
+        return None
+    for module_name, module in list(sys.modules.items()):
+        if not module_name.startswith("qwen_mini.") or module_name.startswith("qwen_mini.course"):
+            continue
+        twin = vars(module).get(name) if isinstance(module, types.ModuleType) else None
+        if twin is None or getattr(twin, "__module__", None) != module_name:
+            continue
+        try:
+            theirs = ast.dump(ast.parse(inspect.getsource(twin)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        if theirs == ours:
+            return f"from {module_name} import {name}"
+    return None
+
+
 def _literal(value) -> str | None:
     """Python source for a constant (a number, string, dtype, tuple of them), or None."""
     if type(value) is float and not math.isfinite(value):
@@ -197,6 +222,8 @@ def piece_source(exercise_id: str, obj) -> str:
                 uses[name] = other  # another exercise: yours or the package's, when loaded
             elif (line := _import_line(name, dep)) is not None:
                 imports.append(line)
+            elif (line := _package_twin(name, dep)) is not None:
+                imports.append(line)  # a given helper of the notebook that the package holds
             elif isinstance(dep, types.FunctionType | type) and _own_function(dep) is not None:
                 helpers.append(gather(dep))
             elif (text := _literal(dep)) is not None:
