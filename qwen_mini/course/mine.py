@@ -9,9 +9,12 @@ calls and the imports it needs), written as a small module to a folder of your o
 `~/.qwen-mini/mine/<notebook folder>-<hash>/ch01.Attention.py` (`QWEN_MINI_HOME` moves
 `~/.qwen-mini`). Each notebook folder has its own pieces, so two clones, or two students on one
 JupyterHub, never share them, and nothing is ever written to `course/`, `solutions/` or the
-package. A name the piece takes from another exercise (your Attention calling `repeat_kv`) is
-not copied: it is bound when the piece is loaded, to your piece where that passes, to the
-package's otherwise. A piece is used only while it passes its public checks again when loaded;
+package. A name the piece takes from another exercise (your Attention calling `repeat_kv`, or
+the `apply_rope` this kernel loaded from your chapter-0 piece with `mine()`) is not copied: it
+is bound when the piece is loaded, to your piece where that passes, to the package's otherwise,
+so pieces chain across notebooks and processes. A given helper of the notebook that the package
+also holds is imported from the package. A piece is used only while it loads (every name it
+reads is bound; else "yours does not load: NameError: …") and passes its public checks again;
 one whose check fails in the notebook is set aside (`ch01.Attention.stopped.py`), never used.
 """
 
