@@ -74,14 +74,17 @@ test-browser: browser-deps
 	$(NB_ENV) $(BIN)/python -m pytest -s tests/browser/browser_ch02.py
 
 # The course as a static site in build/site/ (open build/site/index.html): the learner notebooks
-# run on the stand-in, rendered by Sphinx with MyST-NB (README: "The course as a website").
+# (as the build makes them: course/'s committed copies, never a learner's answers) run on the
+# stand-in, rendered by Sphinx with MyST-NB (README: "The course as a website").
 $(VENV)/.site: pyproject.toml $(VENV)/.course
 	$(BIN)/pip install -e ".[site]"
 	touch $@
 
 site: $(VENV)/.site
 	mkdir -p $(VENV)/empty-hf-cache
-	$(NB_ENV) $(BIN)/python -m qwen_mini.course.site --out build/site
+	rm -rf $(LEARNER_COPIES)
+	$(BIN)/python -m qwen_mini.course.build --learner-copies $(LEARNER_COPIES)
+	$(NB_ENV) $(BIN)/python -m qwen_mini.course.site --out build/site --course $(LEARNER_COPIES)
 
 # Every page of build/site/ in headless Chromium, and no solution in it (run `make site` first).
 test-site: browser-deps
