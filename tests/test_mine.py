@@ -24,6 +24,8 @@ from nbclient import NotebookClient
 from qwen_mini.cli import main
 from qwen_mini.course import checking, mine
 
+pytestmark = pytest.mark.xdist_group("test_mine")  # the learner fixture runs once
+
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = ("ch00_foundations", "ch01_attention")
 # every exercise whose cell chapters 0 and 1 check is the learner's
