@@ -204,7 +204,7 @@ def test_a_piece_that_stops_passing_is_set_aside_and_never_used(learner, qwen_mi
 
         # an edit of the kept file into a wrong state is caught when it is loaded
         path = pieces / "ch01.repeat_kv.py"
-        path.write_text(path.read_text().replace("### BEGIN SOLUTION", "return x  #"))
+        path.write_text(path.read_text().replace("### BEGIN SOLUTION", "return k  #"))
         progress = qwen_mini("progress", "--dir", str(folder), home=home)[0]
         assert re.search(r"ch01\.repeat_kv\s+package's\s+yours no longer passes: ", progress)
     finally:  # the other tests' learner is whole again
