@@ -454,6 +454,13 @@ def stale_problems(root: Path, stale: list[Path]) -> list[Path]:
     ]
 
 
+def learner_copy(root: Path, name: str) -> dict:
+    """The learner copy of solutions/<name> as the build makes it: what course/<name> holds as
+    committed (the check sees to it), never a learner's working copy. For tests and tools that
+    need a chapter's fresh learner notebook in a clone someone learns in."""
+    return learner_notebook(nbs.load(root / "solutions" / name), name)
+
+
 def write_learner_copies(root: Path, expected: dict[Path, str], out: Path) -> list[Path]:
     """The learner copies as the build makes them (those the check compares with course/'s
     committed copies) written to `out`: what CI runs, never a learner's working copies."""
