@@ -46,19 +46,19 @@ PARALLEL ?= -n 2
 NB_ENV := env -u QWEN_MINI_WEIGHTS -u QWEN_MINI_DOWNLOAD HF_HUB_OFFLINE=1 HF_HUB_CACHE=$(CURDIR)/$(VENV)/empty-hf-cache QWEN_MINI_HOME=$(CURDIR)/build/nb-home
 
 # What CI checks about course/ is the committed learner copies (the build's --check compares
-# them; a learner's answers, outputs and backups there are theirs): nbval runs the copies as the
-# build makes them, written to build/learner-copies, never course/'s working copies.
+# them; a learner's answers, outputs and backups there are theirs): ruff and nbval run on the
+# copies as the build makes them, written to build/learner-copies, never course/'s working copies.
 LEARNER_COPIES := build/learner-copies
 
 test: $(VENV)/.dev
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+	rm -rf $(LEARNER_COPIES)
+	$(BIN)/python -m qwen_mini.course.build --learner-copies $(LEARNER_COPIES)
+	$(BIN)/ruff check . $(LEARNER_COPIES)
+	$(BIN)/ruff format --check . $(LEARNER_COPIES)
 	$(BIN)/python -m qwen_mini.course.build --check
 	$(BIN)/python -m pytest $(PARALLEL) --dist loadgroup --durations=15 tests
 	mkdir -p $(VENV)/empty-hf-cache
 	$(NB_ENV) QWEN_MINI_CHECKS=solutions $(BIN)/python -m pytest $(PARALLEL) --dist loadfile --nbval-lax solutions
-	rm -rf $(LEARNER_COPIES)
-	$(BIN)/python -m qwen_mini.course.build --learner-copies $(LEARNER_COPIES)
 	$(NB_ENV) QWEN_MINI_CHECKS=course $(BIN)/python -m pytest $(PARALLEL) --dist loadfile --nbval-lax $(LEARNER_COPIES)
 
 # Optional third command: chapter 2 in JupyterLab in headless Chromium (Debian's package, driven
