@@ -22,8 +22,11 @@ $(VENV)/.course: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -e .
 	touch $@
 
-$(VENV)/.dev: pyproject.toml $(VENV)/.course
+# The test tools share the environment with the course; nbgrader's JupyterLab menus and server
+# extensions are turned off in it, so `make lab` shows the course only.
+$(VENV)/.dev: pyproject.toml scripts/hide_test_tools.py $(VENV)/.course
 	$(BIN)/pip install -e ".[dev]"
+	$(BIN)/python scripts/hide_test_tools.py
 	touch $@
 
 # Jupyter refuses to start as root unless told; containers and lab machines often run as root.
@@ -38,17 +41,25 @@ lab: $(VENV)/.course
 # PARALLEL=-n0 runs everything in one process.
 PARALLEL ?= -n 2
 
-# Notebooks run on the embedded stand-in weights, whatever weights this machine may hold.
-NB_ENV := env -u QWEN_MINI_WEIGHTS -u QWEN_MINI_DOWNLOAD HF_HUB_OFFLINE=1 HF_HUB_CACHE=$(CURDIR)/$(VENV)/empty-hf-cache
+# Notebooks run on the embedded stand-in weights, whatever weights this machine may hold, and
+# never on a learner's kept pieces (an empty QWEN_MINI_HOME of the run's own).
+NB_ENV := env -u QWEN_MINI_WEIGHTS -u QWEN_MINI_DOWNLOAD HF_HUB_OFFLINE=1 HF_HUB_CACHE=$(CURDIR)/$(VENV)/empty-hf-cache QWEN_MINI_HOME=$(CURDIR)/build/nb-home
+
+# What CI checks about course/ is the committed learner copies (the build's --check compares
+# them; a learner's answers, outputs and backups there are theirs): ruff and nbval run on the
+# copies as the build makes them, written to build/learner-copies, never course/'s working copies.
+LEARNER_COPIES := build/learner-copies
 
 test: $(VENV)/.dev
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+	rm -rf $(LEARNER_COPIES)
+	$(BIN)/python -m qwen_mini.course.build --learner-copies $(LEARNER_COPIES)
+	$(BIN)/ruff check . $(LEARNER_COPIES)
+	$(BIN)/ruff format --check . $(LEARNER_COPIES)
 	$(BIN)/python -m qwen_mini.course.build --check
 	$(BIN)/python -m pytest $(PARALLEL) --dist loadgroup --durations=15 tests
 	mkdir -p $(VENV)/empty-hf-cache
 	$(NB_ENV) QWEN_MINI_CHECKS=solutions $(BIN)/python -m pytest $(PARALLEL) --dist loadfile --nbval-lax solutions
-	$(NB_ENV) QWEN_MINI_CHECKS=course $(BIN)/python -m pytest $(PARALLEL) --dist loadfile --nbval-lax course
+	$(NB_ENV) QWEN_MINI_CHECKS=course $(BIN)/python -m pytest $(PARALLEL) --dist loadfile --nbval-lax $(LEARNER_COPIES)
 
 # Optional third command: chapter 2 in JupyterLab in headless Chromium (Debian's package, driven
 # by Playwright's Python package; no browser download). Installs what it needs.
@@ -63,14 +74,17 @@ test-browser: browser-deps
 	$(NB_ENV) $(BIN)/python -m pytest -s tests/browser/browser_ch02.py
 
 # The course as a static site in build/site/ (open build/site/index.html): the learner notebooks
-# run on the stand-in, rendered by Sphinx with MyST-NB (README: "The course as a website").
+# (as the build makes them: course/'s committed copies, never a learner's answers) run on the
+# stand-in, rendered by Sphinx with MyST-NB (README: "The course as a website").
 $(VENV)/.site: pyproject.toml $(VENV)/.course
 	$(BIN)/pip install -e ".[site]"
 	touch $@
 
 site: $(VENV)/.site
 	mkdir -p $(VENV)/empty-hf-cache
-	$(NB_ENV) $(BIN)/python -m qwen_mini.course.site --out build/site
+	rm -rf $(LEARNER_COPIES)
+	$(BIN)/python -m qwen_mini.course.build --learner-copies $(LEARNER_COPIES)
+	$(NB_ENV) $(BIN)/python -m qwen_mini.course.site --out build/site --course $(LEARNER_COPIES)
 
 # Every page of build/site/ in headless Chromium, and no solution in it (run `make site` first).
 test-site: browser-deps

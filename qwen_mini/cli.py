@@ -127,8 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
         "reset",
         help="start a chapter's notebook over (the old one is kept as a backup)",
         description="Put the fresh learner copy of CHAPTER into course/, made from solutions/ "
-        "as the build makes it. Your old copy is kept beside it, as "
-        "course/chNN_name.backup-DATE-TIME.ipynb (an earlier backup is never overwritten).",
+        "as the build makes it. Your old copy is kept as "
+        "course/.backups/chNN_name-DATE-TIME.ipynb (a hidden folder; an earlier backup is never "
+        "overwritten). Your kept pieces of the chapter (see qwen-mini progress) stay in use "
+        "unless you add --pieces.",
+    )
+    r.add_argument(
+        "--pieces",
+        action="store_true",
+        help="also set the chapter's kept pieces aside (moved, never deleted): later chapters "
+        "and --mine use the package's until your exercises pass again",
     )
     r.add_argument(
         "chapter", metavar="CHAPTER", help="ch03, 3, ch03_moe or the notebook's file name"
@@ -284,11 +292,26 @@ def cmd_download(args) -> int:
 
 
 def cmd_reset(args) -> int:
-    from .course.workspace import find_clone, reset
+    from .course.workspace import find_clone, kept_pieces, reset, set_pieces_aside
 
-    notebook, backup = reset(find_clone(args.dir), args.chapter)
+    clone = find_clone(args.dir)
+    notebook, backup = reset(clone, args.chapter)
     print(f"{notebook}: the fresh copy of the chapter")
     print(f"your old copy is kept as {backup}" if backup else "(the old had no changes of yours)")
+    if backup:
+        print(f"  (backups are in {backup.parent}/, a hidden folder the course never reads)")
+    label = notebook.name.split("_")[0]
+    if args.pieces:
+        folder = set_pieces_aside(clone, args.chapter)
+        if folder:
+            print(f"your kept pieces of {label} are set aside in {folder}/; later chapters and "
+                  f"--mine use the package's until your exercises pass again")  # fmt: skip
+        else:
+            print(f"(no kept pieces of {label} to set aside)")
+    elif pieces := kept_pieces(clone, args.chapter):
+        print(f"your {len(pieces)} kept pieces of {label} (in {pieces[0].parent}/) are still "
+              f"used by later chapters and --mine; to set them aside too: qwen-mini reset "
+              f"{label} --pieces")  # fmt: skip
     return 0
 
 

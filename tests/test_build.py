@@ -1,6 +1,7 @@
 """The course builder on a copy of the fixture chapter (tests/fixtures/solutions)."""
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -187,11 +188,16 @@ def test_check_detects_drift(tree, capsys):
     course = tree / "course" / FIXTURE.name
     edited = course.read_text().replace("ch99.add_one: replace", "ch99.add_one: REPLACE")
     course.write_text(edited)
+    git(tree, "init", "-q")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-qm", "course/ edited by hand")  # what CI checks: committed
     solution = tree / "solutions" / FIXTURE.name
     solution.write_text(solution.read_text().replace("return x + 1", "return 1 + x"))
-    stale = tree / "course" / "ch97_gone.ipynb"
-    stale.write_text("{}")
-    before = {p: p.read_text() for p in tree.rglob("*") if p.is_file()}
+    stale = tree / "course" / "ch97_gone.ipynb"  # the build's copy of a chapter since removed
+    shutil.copy(course, stale)
+    stale.write_text(nbs.dumps(build.learner_notebook(nbs.load(FIXTURE), FIXTURE.name)))
+    files = [p for p in tree.rglob("*") if p.is_file() and ".git" not in p.parts]
+    before = {p: p.read_text() for p in files}
 
     assert build.main(["--root", str(tree), "--check"]) == 1
     out = capsys.readouterr().out
@@ -199,7 +205,7 @@ def test_check_detects_drift(tree, capsys):
     assert "out of date: qwen_mini/ch99_fixture.py" in out
     assert "no source in solutions/: course/ch97_gone.ipynb" in out
     assert "run: python -m qwen_mini.course.build" in out
-    assert before == {p: p.read_text() for p in tree.rglob("*") if p.is_file()}  # nothing written
+    assert before == {p: p.read_text() for p in files}  # nothing written
 
     stale.unlink()
     assert build.main(["--root", str(tree), "--force"]) == 0  # the course copy was edited by hand
@@ -282,7 +288,8 @@ def test_a_notebook_with_answers_survives_the_build(tree, capsys):
 
     assert build.main(["--root", str(tree), "--check"]) == 1  # CI still sees it out of date
     out = capsys.readouterr().out
-    assert "out of date: course/ch99_fixture.ipynb (holds changes of its own" in out
+    assert "out of date: course/ch99_fixture.ipynb (made from an older copy, and holds changes " \
+        "of its own" in out  # fmt: skip
 
     assert build.main(["--root", str(tree), "--force"]) == 0
     capsys.readouterr()
@@ -340,8 +347,89 @@ def test_a_learners_own_notebook_in_course_is_left_alone(tree, capsys):
     before = own.read_bytes()
     assert build.main(["--root", str(tree)]) == 0
     assert own.read_bytes() == before and "my_experiments" not in capsys.readouterr().out
-    assert build.main(["--root", str(tree), "--check"]) == 1  # CI's tree has none
+    assert build.main(["--root", str(tree), "--check"]) == 0  # the learner's, never CI's
+    assert "my_experiments" not in capsys.readouterr().out
+    git(tree, "init", "-q")
+    git(tree, "add", "course/my_experiments.ipynb")
+    git(tree, "commit", "-qm", "a notebook without a source")
+    assert build.main(["--root", str(tree), "--check"]) == 1  # committed: CI's tree has it
     assert "no source in solutions/: course/my_experiments.ipynb" in capsys.readouterr().out
+
+
+def git(root: Path, *args: str) -> str:
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.org",
+               GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@example.org")  # fmt: skip
+    done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def learners_work(tree: Path) -> Path:
+    """course/ as a learner leaves it: an answer, outputs, a cell of their own, a reset's backup
+    and a notebook of their own; returns the answered notebook."""
+    notebook = tree / "course" / FIXTURE.name
+    notebook.write_text(answered(json.loads(notebook.read_text())))
+    backups = tree / "course" / ".backups"
+    backups.mkdir()
+    (backups / "ch99_fixture-20260304-050607.ipynb").write_text(notebook.read_text())
+    (tree / "course" / "Untitled.ipynb").write_text(nbs.dumps(nbformat.v4.new_notebook()))
+    return notebook
+
+
+def test_check_judges_the_committed_course_not_the_learners_work(tree, capsys):
+    """In a clone a learner works in, the check passes; it fails when what is committed in
+    course/ is out of date, whatever the working copies hold."""
+    built(tree, capsys)
+    git(tree, "init", "-q")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-qm", "the course")
+    notebook = learners_work(tree)
+    assert build.main(["--root", str(tree), "--check"]) == 0, capsys.readouterr().out
+    assert "up to date" in capsys.readouterr().out
+
+    # the solution changes and is committed, course/ is not rebuilt: CI must see it
+    solution = tree / "solutions" / FIXTURE.name
+    solution.write_text(solution.read_text().replace("Three tiny exercises", "Three small ones"))
+    git(tree, "commit", "-qm", "a solution changed, course/ not rebuilt", "--", "solutions")
+    assert build.main(["--root", str(tree), "--check"]) == 1
+    out = capsys.readouterr().out
+    assert "out of date: course/ch99_fixture.ipynb (its committed copy is out of date" in out
+    # a clean clone of that commit fails the same way
+    git(tree, "stash", "-q", "--include-untracked")
+    assert not build.holds_work(notebook)
+    assert build.main(["--root", str(tree), "--check"]) == 1
+    assert "out of date: course/ch99_fixture.ipynb\n" in capsys.readouterr().out
+
+
+def test_check_in_a_downloaded_copy_judges_by_the_copy_the_work_started_from(tree, capsys):
+    built(tree, capsys)  # no git: an archive
+    learners_work(tree)
+    assert build.main(["--root", str(tree), "--check"]) == 0, capsys.readouterr().out
+    capsys.readouterr()
+
+
+@pytest.mark.skipif(not (REPO / ".git").exists(), reason="not a git clone")
+def test_check_passes_in_a_clone_of_this_repository_a_learner_works_in(tmp_path, capsys):
+    """The committed tree, as a learner leaves it: every course/ notebook answered from
+    solutions/ and run (outputs), a reset's backup, a notebook of their own."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", "HEAD"], capture_output=True)
+    assert archive.returncode == 0, archive.stderr
+    subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive.stdout, check=True)
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "add", "-A")
+    git(tmp_path, "commit", "-qm", "a clone")
+    for path in sorted((tmp_path / "course").glob("ch*.ipynb")):
+        nb = json.loads(path.read_text())
+        for c in nb["cells"]:
+            if c["cell_type"] == "code":
+                c["execution_count"] = 1
+                c["outputs"] = [{"name": "stdout", "output_type": "stream", "text": ["ran\n"]}]
+        nb["metadata"]["language_info"] = {"name": "python"}
+        path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    (tmp_path / "course" / ".backups").mkdir()
+    shutil.copy(path, tmp_path / "course" / ".backups" / f"{path.stem}-20260304-050607.ipynb")
+    shutil.copy(path, tmp_path / "course" / f"{path.stem}.backup-20260304-050607.ipynb")  # older
+    assert build.main(["--root", str(tmp_path), "--check"]) == 0, capsys.readouterr().out
 
 
 def test_digest_covers_the_learners_work_only():
@@ -400,3 +488,21 @@ def test_two_notebooks_export_into_one_module(tree, capsys):
     user = (tree / "qwen_mini" / "user.py").read_text()
     assert "from qwen_mini.parts import Variant" in user and "class Variant" not in user
     assert build.main(["--root", str(tree), "--check"]) == 0
+
+
+def test_learner_copies_are_written_as_the_build_makes_them(tree, capsys, tmp_path_factory):
+    """What CI runs with nbval: the build's learner copies, never course/'s working copies."""
+    built(tree, capsys)
+    notebook = learners_work(tree)
+    out = tmp_path_factory.mktemp("copies")
+    assert build.main(["--root", str(tree), "--learner-copies", str(out)]) == 0
+    assert "wrote 1 learner notebooks" in capsys.readouterr().out
+    assert [p.name for p in out.iterdir()] == [FIXTURE.name]
+    assert (out / FIXTURE.name).read_text() == fresh(tree)
+    assert (out / FIXTURE.name).read_text() != notebook.read_text()
+
+
+def fresh(tree):
+    return nbs.dumps(
+        build.learner_notebook(nbs.load(tree / "solutions" / FIXTURE.name), FIXTURE.name)
+    )

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from qwen_mini.cli import main
+from qwen_mini.course import build
+from qwen_mini.course import notebooks as nbs
 
 STANDIN = "Qwen/Qwen3-0.6B"
 
@@ -182,7 +184,9 @@ def test_output_under_a_latin1_locale_is_replaced_not_a_crash(monkeypatch):
 def test_grade_out_under_a_regular_file(capsys, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    notebook = Path(__file__).parent.parent / "course" / "ch00_foundations.ipynb"
+    notebook = tmp_path / "ch00_foundations.ipynb"  # the fresh learner copy, not course/'s
+    root = Path(__file__).resolve().parents[1]
+    notebook.write_text(nbs.dumps(build.learner_copy(root, notebook.name)))
     argv = ["grade", "--chapter", "0", "--out", str(blocker / "grades.csv"), str(notebook)]
     assert main(argv) == 1
     err = capsys.readouterr().err

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from qwen_mini.course import build
 from qwen_mini.course import notebooks as nbs
 from qwen_mini.course.grading import cli as grade
 
 ROOT = Path(__file__).resolve().parent.parent
+
 CHAPTERS = {
     0: "ch00_foundations.ipynb",
     1: "ch01_attention.ipynb",
@@ -25,10 +27,16 @@ CHAPTERS = {
 }
 
 
+def learner_copy(chapter: int) -> dict:
+    """The chapter's learner notebook as committed in course/ (as the build makes it), never
+    the working copy a learner may have answered."""
+    return build.learner_copy(ROOT, CHAPTERS[chapter])
+
+
 def _mixed(folder: Path, chapter: int, stub_cell: str) -> Path:
     """The solution notebook with one exercise cell taken from the learner copy (a stub)."""
     solved = nbs.load(ROOT / "solutions" / CHAPTERS[chapter])
-    learner = {c["id"]: c for c in nbs.load(ROOT / "course" / CHAPTERS[chapter])["cells"]}
+    learner = {c["id"]: c for c in learner_copy(chapter)["cells"]}
     solved["cells"] = [learner[c["id"]] if c["id"] == stub_cell else c for c in solved["cells"]]
     path = folder / f"stub-{stub_cell}.ipynb"
     path.write_text(json.dumps(solved))
@@ -52,7 +60,7 @@ ISOLATED = os.geteuid() == 0 and sys.platform == "linux"  # the sandbox's view o
 def _cheat(folder: Path, chapter: int, cell: str, source: str) -> Path:
     """The fresh learner copy with one exercise answered by the package's own code, and a first
     cell that looks for the checks (one notebook for both: each costs a whole chapter's run)."""
-    nb = nbs.load(ROOT / "course" / CHAPTERS[chapter])
+    nb = learner_copy(chapter)
     probe = dict(nb["cells"][0], cell_type="code", id="probe", outputs=[], execution_count=None)
     probe["metadata"], probe["source"] = {}, LOOKS_FOR_CHECKS.format(chapter=f"ch{chapter:02d}")
     cells = [dict(c, source=source) if c["id"] == cell else c for c in nb["cells"]]
@@ -147,7 +155,10 @@ def test_real_chapter_grades(tmp_path, chapter):
     mixed = [_mixed(tmp_path, chapter, stub_cell) for stub_cell, _, _ in STUBS[chapter]]
     cell, cheated, source = CHEATS[chapter]
     cheat = _cheat(tmp_path, chapter, cell, source)
-    files = [ROOT / "solutions" / name, ROOT / "course" / name, *mixed, cheat]
+    (tmp_path / "course").mkdir()
+    fresh = tmp_path / "course" / name  # the learner copy as committed, not a working copy
+    fresh.write_text(nbs.dumps(learner_copy(chapter)))
+    files = [ROOT / "solutions" / name, fresh, *mixed, cheat]
     rows = _grade(tmp_path, chapter, files)
     stem = Path(name).stem
     solved, learner = rows[f"solutions/{stem}"], rows[f"course/{stem}"]
@@ -217,7 +228,7 @@ def test_model_level_cheats_score_zero(tmp_path):
     """The package's own model-level pieces (their checks pass modules, models and fakes into
     the learner's code) are caught as `reference`; changing the weights of the modules a check
     passed in (so that the grader's expected value would agree with a wrong layer) fails."""
-    nb = nbs.load(ROOT / "course" / CHAPTERS[1])
+    nb = learner_copy(1)
     refs = dict(
         nb,
         cells=[

@@ -24,6 +24,8 @@ from nbclient import NotebookClient
 from qwen_mini.cli import main
 from qwen_mini.course import checking, mine
 
+pytestmark = pytest.mark.xdist_group("test_mine")  # the learner fixture runs once
+
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = ("ch00_foundations", "ch01_attention")
 # every exercise whose cell chapters 0 and 1 check is the learner's
@@ -58,12 +60,14 @@ def run_cells(cells: list[str], folder: Path, home: Path, **env) -> str:
     return done.stdout
 
 
-def exercise_cells(name: str) -> list[str]:
-    """The setup and exercise cells of solutions/<name>.ipynb, solutions filled in."""
+def exercise_cells(name: str, also: str | None = None) -> list[str]:
+    """The setup and exercise cells of solutions/<name>.ipynb, solutions filled in, and those
+    whose source holds `also`, in the notebook's order."""
     nb = json.loads((ROOT / "solutions" / f"{name}.ipynb").read_text())
     keep = [c for c in nb["cells"] if c["cell_type"] == "code"]
     keep = [c for c in keep if {"setup", "export"} & set(c["metadata"].get("tags", []))
-            or any(t.startswith("export:") for t in c["metadata"].get("tags", []))]  # fmt: skip
+            or any(t.startswith("export:") for t in c["metadata"].get("tags", []))
+            or (also and also in "".join(c["source"]))]  # fmt: skip
     return ["".join(c["source"]) for c in keep]
 
 
@@ -200,7 +204,7 @@ def test_a_piece_that_stops_passing_is_set_aside_and_never_used(learner, qwen_mi
 
         # an edit of the kept file into a wrong state is caught when it is loaded
         path = pieces / "ch01.repeat_kv.py"
-        path.write_text(path.read_text().replace("### BEGIN SOLUTION", "return x  #"))
+        path.write_text(path.read_text().replace("### BEGIN SOLUTION", "return k  #"))
         progress = qwen_mini("progress", "--dir", str(folder), home=home)[0]
         assert re.search(r"ch01\.repeat_kv\s+package's\s+yours no longer passes: ", progress)
     finally:  # the other tests' learner is whole again
@@ -287,3 +291,29 @@ def test_a_real_kernel_keeps_the_piece(tmp_path, qwen_mini):
     assert "passed" in text and "not kept" not in text, text
     progress = json.loads(qwen_mini("progress", "--json", "--dir", str(folder), home=home)[0])
     assert progress["ch01.causal_mask"] == "learner"
+
+
+def test_pieces_chain_across_processes(tmp_path, qwen_mini):
+    """Chapter 1's Attention, kept in a kernel that loaded the learner's chapter-0 apply_rope
+    (which calls their rotate_half), loads on its own in a later process."""
+    home, folder = tmp_path / "home", notebook_folder(tmp_path)
+    run_cells(exercise_cells("ch00_foundations"), folder, home)
+    # chapter 1's cells in their order, with the one that loads chapter 0's pieces
+    out = run_cells(exercise_cells("ch01_attention", also='mine("ch00.'), folder, home)
+    assert "✓ using your ch00.apply_rope (kept from your notebook" in out, out
+    text = (kept(home, folder) / "ch01.Attention.py").read_text()
+    assert re.search(r"^__uses__ = .*\"apply_rope\": \"ch00.apply_rope\"", text, re.M), text
+    progress = qwen_mini("progress", "--dir", str(folder), home=home)[0]
+    assert re.search(r"ch01\.Attention\s+yours$", progress, re.M), progress
+
+    # a piece kept before this was fixed copied apply_rope without its rotate_half: it says that
+    # it does not load, never that it fails a check
+    path = kept(home, folder) / "ch01.Attention.py"
+    copied = "def apply_rope(x, cos, sin):\n    return rotate_half(x)\n\n\nclass Attention"
+    text = text.replace('"apply_rope": "ch00.apply_rope", ', "")
+    path.write_text(text.replace("class Attention", copied))
+    progress = qwen_mini("progress", "--dir", str(folder), home=home)[0]
+    assert re.search(
+        r"ch01\.Attention\s+package's\s+yours does not load: NameError: rotate_half not defined",
+        progress,
+    ), progress

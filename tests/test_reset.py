@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from qwen_mini.cli import main
-from qwen_mini.course import build
+from qwen_mini.course import build, mine
 from qwen_mini.course import notebooks as nbs
 from qwen_mini.course.workspace import WorkspaceError, find_chapter, find_clone, reset
 
@@ -54,13 +54,13 @@ def test_reset_keeps_the_old_copy_and_never_overwrites_a_backup(clone):
     mine = notebook.read_bytes()
     target, backup = reset(clone, "ch99", now=NOW)
     assert target == notebook and target.read_text() == fresh_text()
-    assert backup == clone / "course" / "ch99_fixture.backup-20260304-050607.ipynb"
+    assert backup == clone / "course" / ".backups" / "ch99_fixture-20260304-050607.ipynb"
     assert backup.read_bytes() == mine  # the learner's copy, byte for byte
 
     notebook.write_text(notebook.read_text().replace("Chapter 99", "My chapter"))
     second = notebook.read_bytes()
     _, again = reset(clone, "99", now=NOW)  # the same second: a new name, the first kept
-    assert again == clone / "course" / "ch99_fixture.backup-20260304-050607-2.ipynb"
+    assert again == clone / "course" / ".backups" / "ch99_fixture-20260304-050607-2.ipynb"
     assert again.read_bytes() == second and backup.read_bytes() == mine
     assert not build.holds_work(notebook)
 
@@ -94,8 +94,10 @@ def test_the_clone_is_found_from_course_and_named_when_missing(clone, tmp_path_f
 def test_the_command(clone, capsys, monkeypatch, tmp_path_factory):
     assert main(["reset", "ch99", "--dir", str(clone)]) == 0
     out = capsys.readouterr().out
-    backup = next((clone / "course").glob("ch99_fixture.backup-*.ipynb"))
+    backup = next((clone / "course" / ".backups").glob("ch99_fixture-*.ipynb"))
     assert f"your old copy is kept as {backup}" in out
+    assert f"backups are in {backup.parent}/, a hidden folder" in out
+    assert sorted(p.name for p in (clone / "course").iterdir()) == [".backups", FIXTURE.name]
     assert json.loads(backup.read_text())["cells"][0]["source"] == "# my own title"
 
     monkeypatch.chdir(clone / "course")  # where a JupyterLab terminal starts
@@ -112,9 +114,36 @@ def test_the_command(clone, capsys, monkeypatch, tmp_path_factory):
 
 def test_the_repository_itself_resets(tmp_path):
     """In a copy of this clone every chapter resets to exactly its committed learner copy."""
-    for folder in ("solutions", "course"):
-        shutil.copytree(REPO / folder, tmp_path / folder)
+    shutil.copytree(REPO / "solutions", tmp_path / "solutions")
+    (tmp_path / "course").mkdir()
     for path in sorted((tmp_path / "solutions").glob("ch*.ipynb")):
-        committed = (REPO / "course" / path.name).read_text()
+        course = REPO / "course" / path.name  # as committed: a learner's answers are theirs
+        committed = build.committed(REPO, course) or course.read_text()
+        (tmp_path / "course" / path.name).write_text(committed)
         target, backup = reset(tmp_path, path.name)
         assert target.read_text() == committed and backup is None
+
+
+def test_reset_offers_to_set_the_chapters_pieces_aside(clone, capsys, monkeypatch, tmp_path):
+    """The chapter's kept pieces stay in use unless --pieces sets them aside (moved, never
+    deleted); the other chapters' pieces are left alone."""
+    monkeypatch.setenv("QWEN_MINI_HOME", str(tmp_path / "home"))
+    folder = mine.pieces_folder(clone / "course")
+    folder.mkdir(parents=True)
+    names = ["ch99.add_one.py", "ch99.assemble.stopped.py", "ch03.route.py"]
+    for name in names:
+        (folder / name).write_text("# a piece\n")
+    assert main(["reset", "ch99", "--dir", str(clone)]) == 0
+    out = capsys.readouterr().out
+    assert f"your 2 kept pieces of ch99 (in {folder}/) are still used by later chapters" in out
+    assert "qwen-mini reset ch99 --pieces" in out
+    assert sorted(p.name for p in folder.iterdir()) == sorted(names)
+
+    assert main(["reset", "ch99", "--pieces", "--dir", str(clone)]) == 0
+    out = capsys.readouterr().out
+    aside = next(folder.glob("set-aside-ch99-*"))
+    assert f"your kept pieces of ch99 are set aside in {aside}/" in out
+    assert sorted(p.name for p in aside.iterdir()) == sorted(names[:2])
+    assert sorted(p.name for p in folder.iterdir()) == ["ch03.route.py", aside.name]
+    assert main(["reset", "ch99", "--pieces", "--dir", str(clone)]) == 0
+    assert "(no kept pieces of ch99 to set aside)" in capsys.readouterr().out

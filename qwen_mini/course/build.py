@@ -395,6 +395,84 @@ def out_of_date(expected: dict[Path, str]) -> list[Path]:
     return [path for path, text in expected.items() if current(path) != text]
 
 
+# --- what CI checks about course/: the committed copies, not a learner's working copies --------
+
+
+def committed(root: Path, path: Path) -> str | None:
+    """The text of `path` as committed (git's HEAD), or None where there is no such copy: not a
+    git clone (a downloaded archive), git missing, or a file never committed."""
+    rel = "./" + path.relative_to(root).as_posix()  # ./: relative to root, wherever git's top is
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(root), "show", f"HEAD:{rel}"], capture_output=True, timeout=60
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.decode("utf-8", errors="replace") if done.returncode == 0 else None
+
+
+def _recorded_digest(text: str) -> str | None:
+    try:
+        meta = json.loads(text).get("metadata", {})
+    except (ValueError, AttributeError):
+        return None
+    stored = meta.get("qwen_mini", {}) if isinstance(meta, dict) else {}
+    return stored.get(DIGEST_KEY) if isinstance(stored, dict) else None
+
+
+def course_problem(root: Path, path: Path, text: str) -> str | None:
+    """Why course/ notebook `path` is out of date for the build's check (None: it is not).
+
+    The check is about the committed copies (what every clone starts from), so that a learner's
+    answers, outputs and notebooks of their own never fail it: a working copy that holds a
+    learner's work is judged by its committed copy where git has one, else by the digest of the
+    fresh copy it was made from (a downloaded archive)."""
+    if path.exists() and path.read_text(encoding="utf-8") == text:
+        return None
+    if not path.exists() or not holds_work(path):
+        return ""  # the build's own copy, stale: plainly out of date
+    base, own = committed(root, path), "holds changes of its own: the build leaves it alone"
+    if base is not None:
+        if base == text:
+            return None  # the learner's work on the committed, up-to-date copy
+        if base == path.read_text(encoding="utf-8"):
+            return own  # committed as it is
+        return f"its committed copy is out of date; the working copy {own}"
+    if _recorded_digest(path.read_text(encoding="utf-8")) == cells_digest(json.loads(text)):
+        return None  # not committed anywhere: work on the fresh copy the build writes now
+    return f"made from an older copy, and {own}"
+
+
+def stale_problems(root: Path, stale: list[Path]) -> list[Path]:
+    """The stale files the check reports: committed ones and those the build wrote. A learner's
+    own notebooks in course/ (experiments, old backups) are theirs, never CI's."""
+    course = root / "course"
+    return [
+        p
+        for p in stale
+        if p.parent != course or not holds_work(p) or committed(root, p) is not None
+    ]
+
+
+def learner_copy(root: Path, name: str) -> dict:
+    """The learner copy of solutions/<name> as the build makes it: what course/<name> holds as
+    committed (the check sees to it), never a learner's working copy. For tests and tools that
+    need a chapter's fresh learner notebook in a clone someone learns in."""
+    return learner_notebook(nbs.load(root / "solutions" / name), name)
+
+
+def write_learner_copies(root: Path, expected: dict[Path, str], out: Path) -> list[Path]:
+    """The learner copies as the build makes them (those the check compares with course/'s
+    committed copies) written to `out`: what CI runs, never a learner's working copies."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for path, text in expected.items():
+        if path.parent == root / "course":
+            (out / path.name).write_text(text, encoding="utf-8")
+            written.append(out / path.name)
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m qwen_mini.course.build",
@@ -408,6 +486,13 @@ def main(argv: list[str] | None = None) -> int:
         help="overwrite course/ notebooks that hold changes of their own (a learner's answers)",
     )
     parser.add_argument("--root", type=Path, default=ROOT, help="repository root")
+    parser.add_argument(
+        "--learner-copies",
+        type=Path,
+        metavar="DIR",
+        help="write the learner notebooks as the build makes them to DIR (CI runs those, not "
+        "course/'s working copies); change nothing else",
+    )
     args = parser.parse_args(argv)
     root = args.root.resolve()
     try:
@@ -415,6 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     except NotebookError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if args.learner_copies:
+        written = write_learner_copies(root, expected, args.learner_copies)
+        print(f"wrote {len(written)} learner notebooks to {args.learner_copies}")
+        return 0
     changed, stale = out_of_date(expected), stale_files(root, expected)
     kept = [] if args.force else kept_work(root, expected, changed)
 
@@ -422,12 +511,20 @@ def main(argv: list[str] | None = None) -> int:
         return path.relative_to(root).as_posix()
 
     if args.check:
+        # course/: the committed copies are checked; a learner's working copies are theirs
+        problems = {}
         for path in changed:
-            mine = " (holds changes of its own: the build leaves it alone)" if path in kept else ""
-            print(f"out of date: {rel(path)}{mine}")
+            why = (
+                course_problem(root, path, expected[path]) if path.parent == root / "course" else ""
+            )
+            if why is not None:
+                problems[path] = why
+        stale = stale_problems(root, stale)
+        for path, why in problems.items():
+            print(f"out of date: {rel(path)}" + (f" ({why})" if why else ""))
         for path in stale:
             print(f"no source in solutions/: {rel(path)} (delete it, or restore its notebook)")
-        if changed or stale:
+        if problems or stale:
             print("run: python -m qwen_mini.course.build")
             return 1
         print(f"up to date: {len(expected)} generated files")

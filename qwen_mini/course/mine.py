@@ -9,9 +9,12 @@ calls and the imports it needs), written as a small module to a folder of your o
 `~/.qwen-mini/mine/<notebook folder>-<hash>/ch01.Attention.py` (`QWEN_MINI_HOME` moves
 `~/.qwen-mini`). Each notebook folder has its own pieces, so two clones, or two students on one
 JupyterHub, never share them, and nothing is ever written to `course/`, `solutions/` or the
-package. A name the piece takes from another exercise (your Attention calling `repeat_kv`) is
-not copied: it is bound when the piece is loaded, to your piece where that passes, to the
-package's otherwise. A piece is used only while it passes its public checks again when loaded;
+package. A name the piece takes from another exercise (your Attention calling `repeat_kv`, or
+the `apply_rope` this kernel loaded from your chapter-0 piece with `mine()`) is not copied: it
+is bound when the piece is loaded, to your piece where that passes, to the package's otherwise,
+so pieces chain across notebooks and processes. A given helper of the notebook that the package
+also holds is imported from the package. A piece is used only while it loads (every name it
+reads is bound; else "yours does not load: NameError: …") and passes its public checks again;
 one whose check fails in the notebook is set aside (`ch01.Attention.stopped.py`), never used.
 """
 
@@ -155,6 +158,31 @@ def _import_line(name: str, value) -> str | None:
     return f"from {module} import {qualname}" + (f" as {name}" if qualname != name else "")
 
 
+def _package_twin(name: str, value) -> str | None:
+    """An import of the package's own copy of `value`, a function or class the notebook defines
+    in a given cell that is exported to the package (chapter 4's encode_plain, whose cache is
+    a dict of tokenizers): the same definition, statement for statement. None otherwise."""
+    if not isinstance(value, types.FunctionType | type) or _own_function(value) is None:
+        return None
+    try:
+        ours = ast.dump(ast.parse(_definition(value)))
+    except (NotKept, SyntaxError):
+        return None
+    for module_name, module in list(sys.modules.items()):
+        if not module_name.startswith("qwen_mini.") or module_name.startswith("qwen_mini.course"):
+            continue
+        twin = vars(module).get(name) if isinstance(module, types.ModuleType) else None
+        if twin is None or getattr(twin, "__module__", None) != module_name:
+            continue
+        try:
+            theirs = ast.dump(ast.parse(inspect.getsource(twin)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        if theirs == ours:
+            return f"from {module_name} import {name}"
+    return None
+
+
 def _literal(value) -> str | None:
     """Python source for a constant (a number, string, dtype, tuple of them), or None."""
     if type(value) is float and not math.isfinite(value):
@@ -172,17 +200,23 @@ def piece_source(exercise_id: str, obj) -> str:
     the names it takes from other exercises, bound when the piece is loaded."""
     exercises = _exercise_objects()  # id(reference) -> exercise id
     imports, helpers, uses, seen = ["import torch"], [], {}, {obj.__name__}
-    fn = _own_function(obj)
-    namespace = fn.__globals__ if fn else {}
 
     def gather(value) -> str:
         source = _definition(value)
+        # each definition's names are those of the module it was made in: a helper copied from
+        # a kept piece (your apply_rope, loaded in this kernel) calls that piece's rotate_half
+        namespace = _own_function(value).__globals__
         for name in _free_names(source):
             if name in seen:
                 continue
             seen.add(name)
             if name not in namespace:
-                continue  # a builtin, or never defined (it would raise NameError there too)
+                if hasattr(builtins, name):
+                    continue
+                raise NotKept(
+                    f"it uses `{name}`, which is not defined in this kernel: define it (run its "
+                    f"cell), then check again"
+                )
             dep = namespace[name]
             if hasattr(builtins, name) and _is_builtin_like(dep):
                 continue  # IPython puts its own open() in the namespace
@@ -191,6 +225,8 @@ def piece_source(exercise_id: str, obj) -> str:
                 uses[name] = other  # another exercise: yours or the package's, when loaded
             elif (line := _import_line(name, dep)) is not None:
                 imports.append(line)
+            elif (line := _package_twin(name, dep)) is not None:
+                imports.append(line)  # a given helper of the notebook that the package holds
             elif isinstance(dep, types.FunctionType | type) and _own_function(dep) is not None:
                 helpers.append(gather(dep))
             elif (text := _literal(dep)) is not None:
@@ -294,6 +330,14 @@ def _load_one(path: Path, resolve) -> object:
     namespace = {"__name__": f"qwen_mini_mine.{exercise_id}", "__file__": str(path)}
     namespace.update({n: resolve(x) for n, x in header["__uses__"].items()})
     exec(compile(tree, str(path), "exec"), namespace)
+    # a name the piece reads that nothing binds would fail only when that line runs, inside a
+    # check, and read as a wrong answer: say now that the piece does not load
+    missing = [n for n in _free_names(text) if n not in namespace and not hasattr(builtins, n)]
+    if missing:
+        raise NameError(
+            f"{', '.join(missing)} not defined in {path.name} (keep the piece again: run the "
+            f"cell of {exercise_id} and its check)"
+        )
     return namespace[name]
 
 
@@ -319,11 +363,15 @@ def load(notebooks: Path | str = ".", only: list[str] | None = None) -> dict[str
         try:
             obj = _load_one(path, resolve)
         except Exception as e:  # the learner's code: any error means "not usable"
-            return Piece(exercise_id, "package", ref, f"yours does not load: {e!r}")
+            why = f"yours does not load: {type(e).__name__}: {e}"
+            return Piece(exercise_id, "package", ref, why)
         with contextlib.redirect_stdout(io.StringIO()):  # what the learner's code prints
             result = checking.run_checks(exercise_id, obj)
         if not result.ok:
             return Piece(exercise_id, "package", ref, f"yours no longer passes: {result.message}")
+        # a later piece that calls this one (your Attention calling your apply_rope, loaded in
+        # a kernel by mine()) names the exercise instead of copying it
+        _PASSED.append((exercise_id, obj))
         return Piece(exercise_id, "learner", obj)
 
     for exercise_id in only if only is not None else [e.id for e in all_exercises()]:

@@ -5,7 +5,10 @@
 The fresh copy is made from `solutions/` by the build's `learner_notebook`, exactly as
 `python -m qwen_mini.course.build` writes it: both folders are in every clone, and the copy
 committed in `course/` may already hold the learner's own commits. The learner's old copy is kept
-beside it as `course/ch03_moe.backup-<date>-<time>.ipynb`; an earlier backup is never overwritten.
+as `course/.backups/ch03_moe-<date>-<time>.ipynb` (a hidden folder: out of the file browser's way,
+and never read by the build or the tests); an earlier backup is never overwritten. With
+`--pieces` the chapter's kept pieces (qwen_mini/course/mine.py) are set aside too, into a folder
+beside them, so that later chapters and `--mine` use the package's until the exercises pass again.
 """
 
 from __future__ import annotations
@@ -54,15 +57,48 @@ def find_chapter(clone: Path, chapter: str) -> Path:
     return found[0]
 
 
+BACKUPS = ".backups"  # in course/: hidden in JupyterLab's file browser, skipped by the tests
+
+
 def backup_path(notebook: Path, now: datetime) -> Path:
-    """A name beside `notebook` that no file has yet: ch03_moe.backup-20261201-153000.ipynb
-    (then -2, -3, ... within the same second)."""
-    stem = f"{notebook.stem}.backup-{now:%Y%m%d-%H%M%S}"
-    path, n = notebook.with_name(stem + ".ipynb"), 1
+    """A name in course/.backups/ that no file has yet: ch03_moe-20261201-153000.ipynb (then
+    -2, -3, ... within the same second)."""
+    folder = notebook.parent / BACKUPS
+    stem = f"{notebook.stem}-{now:%Y%m%d-%H%M%S}"
+    path, n = folder / f"{stem}.ipynb", 1
     while path.exists():
         n += 1
-        path = notebook.with_name(f"{stem}-{n}.ipynb")
+        path = folder / f"{stem}-{n}.ipynb"
     return path
+
+
+def kept_pieces(clone: Path, chapter: str) -> list[Path]:
+    """The pieces kept from `chapter`'s notebook (its exercises that passed, and those set aside
+    when they stopped passing), for the notebooks in clone/course."""
+    from . import mine
+
+    label = chapter_label(find_chapter(clone, chapter).name)
+    folder = mine.pieces_folder(clone / "course")
+    return sorted(folder.glob(f"{label}.*.py")) if folder.is_dir() else []
+
+
+def set_pieces_aside(clone: Path, chapter: str, now: datetime | None = None) -> Path | None:
+    """Move `chapter`'s kept pieces into a folder beside them (set-aside-<chNN>-<date>-<time>/,
+    never deleted); later chapters and --mine then use the package's until the exercises pass
+    again. The folder, or None when there was nothing to set aside."""
+    pieces = kept_pieces(clone, chapter)
+    if not pieces:
+        return None
+    label = chapter_label(find_chapter(clone, chapter).name)
+    stem = f"set-aside-{label}-{(now or datetime.now()):%Y%m%d-%H%M%S}"
+    folder, n = pieces[0].parent / stem, 1
+    while folder.exists():
+        n += 1
+        folder = pieces[0].parent / f"{stem}-{n}"
+    folder.mkdir(mode=0o700)
+    for piece in pieces:
+        os.replace(piece, folder / piece.name)
+    return folder
 
 
 def reset(clone: Path, chapter: str, now: datetime | None = None) -> tuple[Path, Path | None]:
@@ -78,6 +114,7 @@ def reset(clone: Path, chapter: str, now: datetime | None = None) -> tuple[Path,
     backup = None
     if target.exists() and holds_work(target, fresh):
         backup = backup_path(target, now or datetime.now())
+        backup.parent.mkdir(exist_ok=True)
         shutil.copy2(target, backup)
     partial = target.with_name(f".{target.name}.partial")
     partial.write_text(nbs.dumps(fresh), encoding="utf-8")

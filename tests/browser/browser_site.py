@@ -27,11 +27,12 @@ from urllib.parse import urldefrag, urlparse
 import pytest
 from browser_ch02 import ARGS, CHROMIUM
 
+from qwen_mini.course import build
 from qwen_mini.course import notebooks as nbs
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = Path(os.environ.get("SITE_DIR", ROOT / "build" / "site"))
-CHAPTERS = sorted(p.stem for p in (ROOT / "course").glob("ch*.ipynb"))
+CHAPTERS = sorted(p.stem for p in (ROOT / "solutions").glob("ch*.ipynb"))
 SEARCH = ("RMSNorm", "ch00_foundations")  # a word, and a chapter page it is on
 
 
@@ -149,7 +150,8 @@ def _site_text() -> str:
 
 
 def _learner_text() -> str:
-    cells = [c for p in CHAPTERS for c in nbs.load(ROOT / "course" / f"{p}.ipynb")["cells"]]
+    # the learner copies as the site is built from them (as committed in course/)
+    cells = [c for p in CHAPTERS for c in build.learner_copy(ROOT, f"{p}.ipynb")["cells"]]
     return " ".join(" ".join(nbs.source(c).split()) for c in cells)
 
 
