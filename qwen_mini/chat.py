@@ -442,6 +442,13 @@ class ChatSession:
         seed: int | None = None,
         **sampling,
     ):
+        if not isinstance(thinking, bool):  # "no" is truthy: it would silently mean True
+            raise ValueError(f"ChatSession: thinking must be True or False, got {thinking!r}")
+        if budget is not None and (not is_whole_number(budget) or budget < 0):
+            raise ValueError(
+                f"ChatSession: budget must be a whole number of thinking tokens >= 0 (None: no "
+                f"budget), got {budget!r}"
+            )
         self.model, self.tokenizer, self.thinking, self.budget = model, tokenizer, thinking, budget
         if not is_whole_number(max_new_tokens) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
@@ -519,6 +526,7 @@ class ChatSession:
                 f"a new session"
             )
         seen = torch.zeros(self.model.config.vocab_size, dtype=torch.bool, device=self.device)
+        in_context = seen.clone()  # the prompt's and the reply's tokens: the repetition penalty
         stats = dict(prompt=len(ids), reused=0, generated=0, thinking=0)
         first, inside = True, self.thinking
 
@@ -529,8 +537,9 @@ class ChatSession:
                 first = False
             else:
                 logits = self.forward(feed)
-            token = next_token(logits, seen, self.settings, self.generator)
-            seen[token] = True
+            in_context[torch.tensor(feed, dtype=torch.long, device=self.device)] = True
+            token = next_token(logits, seen, self.settings, self.generator, in_context)
+            seen[token] = in_context[token] = True
             return token
 
         tok = self.tokenizer

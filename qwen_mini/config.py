@@ -277,6 +277,12 @@ def _rope_scaling(t: dict) -> RopeScaling | None:
     original = table.get("original_max_position_embeddings") or t.get(
         "original_max_position_embeddings", t["max_position_embeddings"]
     )
+    where = "rope_scaling" if t.get("rope_scaling") else "rope_parameters"
+    if "factor" not in table:  # transformers refuses it too ("Missing required keys")
+        raise RopeScalingError(
+            f"{where}.factor is missing: {kind} RoPE scaling needs one (how many times the "
+            f"trained context, e.g. {where}: {{\"rope_type\": \"{kind}\", \"factor\": 4.0}})."
+        )
     factor = table.get("factor")
     if factor is None and kind == "yarn":  # as transformers: the ratio of the two contexts
         factor = t["max_position_embeddings"] / original

@@ -2,10 +2,12 @@
 
 The sampling pipeline, applied to the logits of each new token in this order:
 
-    presence penalty -> (greedy: argmax) | temperature -> top_k -> top_p -> min_p -> sample
+    repetition penalty -> presence penalty -> (greedy: argmax)
+        | temperature -> top_k -> top_p -> min_p -> sample
 
 This is the order `transformers` applies its warpers in (Temperature, TopK, TopP, MinP); the
-penalty comes first, as in vLLM, so it also acts under greedy decoding. Every filter follows the
+penalties come first, as its processors (repetition_penalty) and vLLM do, so they also act
+under greedy decoding. Every filter follows the
 semantics of the `transformers` warper of the same name: filtered tokens get logit -inf, ties at
 the top_k boundary are kept, and at least one token always survives.
 """
@@ -39,6 +41,14 @@ def apply_presence_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: fl
     frequency penalty would scale with the count).
     """
     return logits - penalty * seen.to(logits.dtype)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, in_context: torch.Tensor, penalty: float):
+    """transformers' `repetition_penalty`: every token marked in the boolean mask `in_context`
+    [V] (the prompt's and the generated tokens) has its logit divided by `penalty` where it is
+    positive and multiplied by it where it is negative (Keskar et al., 2019)."""
+    penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(in_context, penalised, logits)
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -98,9 +108,11 @@ class Sampling:
     top_p: float | None = None
     min_p: float | None = None
     presence_penalty: float = 0.0  # subtracted once from every token already generated
+    # transformers' repetition_penalty: > 1 discourages every token of the prompt and the reply
+    repetition_penalty: float | None = None
 
     def __post_init__(self):
-        for name in ("temperature", "top_p", "min_p", "presence_penalty"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "repetition_penalty"):
             value = getattr(self, name)
             if value is not None and not (is_number(value) and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number, got {value!r}.")
@@ -117,6 +129,10 @@ class Sampling:
             raise ValueError(f"top_p must be in (0, 1] (1 or None: off), got {self.top_p}.")
         if self.min_p is not None and not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1] (0 or None: off), got {self.min_p}.")
+        if self.repetition_penalty is not None and not self.repetition_penalty > 0:
+            raise ValueError(
+                f"repetition_penalty must be > 0 (1 or None: off), got {self.repetition_penalty}."
+            )
 
     @classmethod
     def for_model(cls, model, **explicit) -> Sampling:
@@ -127,16 +143,14 @@ class Sampling:
         Penalties are not sampling filters in transformers: they are taken whatever do_sample says.
         """
         names = [f.name for f in fields(cls)]
-        unknown = sorted(set(explicit) - set(names))
-        if unknown:
-            raise TypeError(f"unknown sampling setting {unknown[0]!r}; the settings are {names}.")
+        _refuse_unknown(explicit, names)
         gc = getattr(model, "generation_config", None) or {}
         samples = bool(gc.get("do_sample", False))
         chosen = {}
         for name in names:
             if explicit.get(name) is not None:
                 chosen[name] = explicit[name]
-            elif gc.get(name) is not None and (samples or name == "presence_penalty"):
+            elif gc.get(name) is not None and (samples or name.endswith("_penalty")):
                 chosen[name] = gc[name]
         if samples and "temperature" not in chosen:
             chosen["temperature"] = 1.0  # do_sample without a temperature samples as is
@@ -150,9 +164,20 @@ class Sampling:
             for name in ("top_k", "top_p", "min_p"):
                 if getattr(self, name) is not None:
                     text += f", {name} {getattr(self, name):g}"
-        if self.presence_penalty:
-            text += f", presence_penalty {self.presence_penalty:g}"
+        for name in ("presence_penalty", "repetition_penalty"):
+            if getattr(self, name) and getattr(self, name) != (1 if "rep" in name else 0):
+                text += f", {name} {getattr(self, name):g}"
         return text
+
+
+def _refuse_unknown(settings: dict, names: list[str]) -> None:
+    """A setting this package does not implement (no_repeat_ngram_size, num_beams...) is
+    refused by name, never silently ignored."""
+    unknown = sorted(set(settings) - set(names))
+    if unknown:
+        raise TypeError(
+            f"unknown sampling setting {unknown[0]!r}: this package implements {names} only."
+        )
 
 
 def eos_ids_for(model, eos_token_ids=None) -> set[int]:
@@ -269,6 +294,7 @@ def generate_tokens(
             f"{type(sampling).__name__}."
         )
     elif settings:
+        _refuse_unknown(settings, [f.name for f in fields(Sampling)])
         sampling = replace(sampling, **settings)
     if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__"):
         raise TypeError(
@@ -289,23 +315,32 @@ def _decode(model, prompt_ids, max_new_tokens, s: Sampling, generator, stop) -> 
     choosing each token with the sampling settings `s` (drawing from `generator`, if any)."""
     device = next(model.parameters()).device
     seen = torch.zeros(model.config.vocab_size, dtype=torch.bool, device=device)
+    in_context = seen.clone()  # the repetition penalty counts the prompt too, as transformers
+    in_context[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
 
     def choose(logits: torch.Tensor) -> int:
-        token = next_token(logits.float(), seen, s, generator)
-        seen[token] = True  # for the presence penalty of the next steps
+        token = next_token(logits.float(), seen, s, generator, in_context)
+        seen[token] = in_context[token] = True  # for the penalties of the next steps
         return token
 
     yield from decode(model, prompt_ids, max_new_tokens, choose, stop)
 
 
-def next_token(logits: torch.Tensor, seen: torch.Tensor, s: Sampling, generator=None) -> int:
-    """Choose the next id from one position's logits [V] with the settings `s`."""
+def next_token(
+    logits: torch.Tensor, seen: torch.Tensor, s: Sampling, generator=None, in_context=None
+) -> int:
+    """Choose the next id from one position's logits [V] with the settings `s`. `seen` marks the
+    generated tokens (the presence penalty), `in_context` the prompt's and the generated ones
+    (the repetition penalty; default: `seen`)."""
     if not torch.isfinite(logits).all():  # NaN or inf would become a token, silently
         raise NonFiniteLogitsError(
             "the model's logits hold NaN or infinite values, so no next token can be chosen. "
             "Either the weights hold such values (check them with `qwen-mini doctor --scan "
             "MODEL`) or the activations overflowed (load the model with dtype=torch.float32)."
         )
+    if s.repetition_penalty is not None and s.repetition_penalty != 1:
+        context = seen if in_context is None else in_context
+        logits = apply_repetition_penalty(logits, context, s.repetition_penalty)
     if s.presence_penalty:
         logits = apply_presence_penalty(logits, seen, s.presence_penalty)
     if s.temperature == 0:

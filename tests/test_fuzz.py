@@ -256,7 +256,8 @@ def config_cases() -> list[Case]:
         refused = [{"rope_type": "dynamic", "factor": 2.0}, {"rope_type": "llama3", "factor": 8.0},
                    {"rope_type": "linear"}, {"rope_type": "yarn", "factor": float("nan")},
                    {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": -4},
-                   "yarn", [1]]  # fmt: skip
+                   "yarn", [1], {"rope_type": "yarn"},  # transformers: "Missing ... factor"
+                   {"rope_type": "yarn", "original_max_position_embeddings": 16}]  # fmt: skip
         for value in refused:
             cases.append(
                 Case(base, set_fields(base, **{rope: value}), [rope], f"{base}-{rope}={value!r}")
@@ -428,7 +429,7 @@ def generation_config_cases() -> list[Case]:
     settings = {
         "temperature": ["hot", math.nan, -1, math.inf], "top_k": [2.5, -1, "20", math.inf],
         "top_p": [0, 1.5, math.nan, "x"], "min_p": [2, -0.1], "presence_penalty": [math.nan,
-        math.inf, "x"], "do_sample": ["yes", 1], "eos_token_id": ["x", -1, [1, 2.5]],
+        math.inf, "x"], "repetition_penalty": [0, -1.1, "x", math.nan], "do_sample": ["yes", 1], "eos_token_id": ["x", -1, [1, 2.5]],
     }  # fmt: skip
     cases = []
     for name, values in settings.items():
@@ -1021,7 +1022,10 @@ SETTINGS = [(name, value) for name, values in {
     "temperature": [math.nan, math.inf, -math.inf, -1, "0.7", True],
     "top_k": [math.nan, math.inf, 2.5, -1, "5"], "top_p": [math.nan, math.inf, 0, 1.5, "x"],
     "min_p": [math.nan, 2, "x"], "presence_penalty": [math.nan, math.inf, -math.inf, "x"],
+    "repetition_penalty": [math.nan, math.inf, 0, -1.2, "x"],
     "max_new_tokens": [-1, 2.5, "3", None, True],
+    # what transformers has and this package does not: refused by name, never ignored
+    "no_repeat_ngram_size": [3], "num_beams": [2], "frequency_penalty": [0.5],
 }.items() for value in values]  # fmt: skip
 
 
@@ -1101,6 +1105,55 @@ def test_a_prompt_that_is_no_list_of_ids_is_refused(model, prompt):
     with pytest.raises(BaseException) as e:
         generate_tokens(model, prompt, max_new_tokens=1)
     assert_clear_error(e.value, ["prompt ids"])
+
+
+@pytest.mark.parametrize("name", ["no_repeat_ngram_size", "repetition_penalty_typo"])
+def test_a_setting_not_implemented_is_refused_next_to_a_sampling_too(model, name):
+    from qwen_mini.generation import Sampling
+
+    with pytest.raises(BaseException) as e:
+        generate_tokens(model, [1, 2], max_new_tokens=1, sampling=Sampling(), **{name: 3})
+    assert_clear_error(e.value, [name, "unknown sampling setting"])
+
+
+@pytest.mark.parametrize("where", ["argument", "generation_config.json"])
+def test_repetition_penalty_decodes_as_transformers(bases, tmp_path, where):
+    """Qwen2.5's generation_config.json asks for repetition_penalty 1.05-1.1: taken whatever
+    do_sample says (a logits processor in transformers, not a sampling warper), over the
+    prompt's tokens and the generated ones."""
+    folder = tmp_path / "m"
+    shutil.copytree(bases["qwen3"], folder)
+    penalty, prompt, n = 1.5, [3, 17, 99, 42, 5, 64, 120, 7], 12
+    gc = {"do_sample": False, "eos_token_id": 0}
+    if where == "generation_config.json":
+        gc["repetition_penalty"] = penalty
+    (folder / "generation_config.json").write_text(json.dumps(gc))
+    ours = load_model(folder)
+    explicit = {"repetition_penalty": penalty} if where == "argument" else {}
+    got = list(generate_tokens(ours, prompt, max_new_tokens=n, eos_token_ids=[], **explicit))
+    plain = list(
+        generate_tokens(ours, prompt, max_new_tokens=n, eos_token_ids=[], repetition_penalty=1.0)
+    )
+    reference = HF_CLASSES["qwen3"][1].from_pretrained(folder).eval()
+    out = reference.generate(
+        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+        repetition_penalty=penalty, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    assert got == out[0, len(prompt) :].tolist()
+    assert got != plain  # the penalty changes this decode: the comparison can fail
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [({"thinking": "no"}, "thinking"), ({"thinking": 1}, "thinking"),
+     ({"thinking": None}, "thinking"), ({"budget": "5"}, "budget"), ({"budget": -1}, "budget"),
+     ({"budget": 2.5}, "budget")],
+    ids=repr,
+)  # fmt: skip
+def test_chat_session_arguments_of_the_wrong_kind_are_named(model, tok, kwargs, name):
+    with pytest.raises(BaseException) as e:
+        chat.ChatSession(model, tok, **kwargs)
+    assert_clear_error(e.value, [name])
 
 
 def test_sampling_given_as_a_dict_is_refused(model):
