@@ -281,7 +281,7 @@ def _rope_scaling(t: dict) -> RopeScaling | None:
     if "factor" not in table:  # transformers refuses it too ("Missing required keys")
         raise RopeScalingError(
             f"{where}.factor is missing: {kind} RoPE scaling needs one (how many times the "
-            f"trained context, e.g. {where}: {{\"rope_type\": \"{kind}\", \"factor\": 4.0}})."
+            f'trained context, e.g. {where}: {{"rope_type": "{kind}", "factor": 4.0}}).'
         )
     factor = table.get("factor")
     if factor is None and kind == "yarn":  # as transformers: the ratio of the two contexts

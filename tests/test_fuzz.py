@@ -429,7 +429,8 @@ def generation_config_cases() -> list[Case]:
     settings = {
         "temperature": ["hot", math.nan, -1, math.inf], "top_k": [2.5, -1, "20", math.inf],
         "top_p": [0, 1.5, math.nan, "x"], "min_p": [2, -0.1], "presence_penalty": [math.nan,
-        math.inf, "x"], "repetition_penalty": [0, -1.1, "x", math.nan], "do_sample": ["yes", 1], "eos_token_id": ["x", -1, [1, 2.5]],
+        math.inf, "x"], "repetition_penalty": [0, -1.1, "x", math.nan], "do_sample": ["yes", 1],
+        "eos_token_id": ["x", -1, [1, 2.5]],
     }  # fmt: skip
     cases = []
     for name, values in settings.items():
