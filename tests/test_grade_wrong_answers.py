@@ -490,6 +490,126 @@ class SparseMoeBlock(nn.Module):
     ),
 ]
 
+EXTRA += [
+    (
+        "ch01.Attention",
+        """import qwen_mini.attention as _package  # not its names: those of other exercises
+
+
+class Attention(_package.Attention):
+    def attend(self, q, k, v, cache=None):
+        if cache is not None:
+            k, v = cache.update(k, v)
+        T, n_rep = q.shape[2], self.n_heads // self.n_kv_heads
+        k, v = _package.repeat_kv(k, n_rep).float(), _package.repeat_kv(v, n_rep).float()
+        scores = q.float() @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        mask = _package.causal_mask(T, k.shape[2], q.device)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return scores.softmax(-1) @ v  # float32 out of a bfloat16 layer""",
+        BF16,
+    ),
+    (
+        "ch01.KVCache",
+        """from qwen_mini.attention import KVCache as _KVCache
+
+
+class KVCache(_KVCache):
+    def __init__(self, batch_size, num_kv_heads, head_dim, dtype, device="cpu"):
+        self.shape = (batch_size, num_kv_heads, 0, head_dim)
+        self.k = torch.empty(self.shape, dtype=dtype)  # no device=: not where the model is
+        self.v = torch.empty(self.shape, dtype=dtype)
+        self.length = 0""",
+        DEVICE,
+    ),
+    (
+        "ch01.KVCache",
+        """from qwen_mini.attention import KVCache as _KVCache
+
+
+class KVCache(_KVCache):
+    def __init__(self, batch_size, num_kv_heads, head_dim, dtype, device="cpu"):
+        self.shape = (batch_size, num_kv_heads, 0, head_dim)
+        self.k = torch.empty(self.shape, device=device)  # float32 whatever the model runs in
+        self.v = torch.empty(self.shape, device=device)
+        self.length = 0""",
+        BF16,
+    ),
+]
+
+EXTRA += [
+    (
+        "ch02.remove_qk_norm",
+        """def remove_qk_norm(state_dict):
+    return {  # float32 copies of a bfloat16 checkpoint
+        k: w.float() for k, w in state_dict.items() if "q_norm" not in k and "k_norm" not in k
+    }""",
+        BF16,
+    ),
+    (
+        "ch05.chunk_loop",
+        """def chunk_loop(U0, W, scores, q_decayed, k_to_end, chunk_decay, S):
+    out = torch.zeros(U0.shape, dtype=U0.dtype)  # no device=
+    for n in range(U0.shape[2]):
+        U = U0[:, :, n] - W[:, :, n] @ S
+        out[:, :, n] = q_decayed[:, :, n] @ S + scores[:, :, n] @ U
+        S = chunk_decay[:, :, n] * S + k_to_end[:, :, n].transpose(-1, -2) @ U
+    return out, S""",
+        DEVICE,
+    ),
+    (
+        "ch05.conv_qkv",
+        """def conv_qkv(qkv, weight, conv_state, n_k, d_k, n_v, d_v):
+    B, T, C = qkv.shape
+    K = weight.shape[-1]
+    full = torch.zeros(B, C, K - 1 + T, dtype=qkv.dtype)  # no device=
+    full[:, :, : K - 1], full[:, :, K - 1 :] = conv_state, qkv.transpose(1, 2)
+    mixed = F.silu(F.conv1d(full, weight, groups=C)).transpose(1, 2)
+    q, k, v = mixed.split([n_k * d_k, n_k * d_k, n_v * d_v], dim=-1)
+
+    def unit(x):
+        x = x.float()
+        return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+    q, k = unit(q.reshape(B, T, n_k, d_k)), unit(k.reshape(B, T, n_k, d_k))
+    return q, k, v.reshape(B, T, n_v, d_v), full[:, :, full.shape[-1] - (K - 1) :]""",
+        DEVICE,
+    ),
+    (
+        "ch05.GatedDeltaNet",
+        """from qwen_mini import deltanet as _package
+
+
+class GatedDeltaNet(_package.GatedDeltaNet):
+    def __init__(self, cfg, layer_idx=0, arch=None):
+        super().__init__(cfg, layer_idx, arch)
+        del self.A_log, self.dt_bias
+        self.A_log = torch.zeros(self.n_v)  # plain tensors: invisible to state_dict and .to()
+        self.dt_bias = torch.ones(self.n_v)""",
+        "parameters are not all registered",
+    ),
+    (
+        "ch05.GatedAttention",
+        """from qwen_mini import attention as _package
+
+
+class GatedAttention(_package.GatedAttention):
+    def __init__(self, cfg, layer_idx, arch):
+        super().__init__(cfg, layer_idx, arch)
+        self.q_norm, self.k_norm = _Norm(self.head_dim), _Norm(self.head_dim)
+
+
+class _Norm(nn.Module):  # zero-centred, its weight a plain tensor
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps, self.weight = eps, torch.zeros(dim)
+
+    def forward(self, x):
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1 + self.weight.float())).to(x.dtype)""",
+        "parameters are not all registered",
+    ),
+]
+
 # Wrong answers whose message once named an idea they do not have: a mistake's result agreed
 # with theirs on one case by chance. (exercise id, notebook source, what the message must say,
 # what it must not say.)
@@ -822,6 +942,27 @@ def test_the_corpus_reaches_every_chapter_and_fails_in_the_notebook():
         result = run_checks(exercise, obj, hidden=True)
         assert result.status == "failed" and idea in result.message, (exercise, result.message)
         assert ABSENT.get(wrong, "\0") not in result.message, (exercise, result.message)
+
+
+# the ideas of the variants (variants.py): each wrong answer of theirs makes that one mistake, which
+# the public checks (the learner's, in the notebook) catch too
+VARIANT_IDEAS = (BF16, DEVICE, "must be float32", "parameters are not all registered",
+                 "came back as a plain Python list", "must yield each item as it makes it",
+                 "the backward pass through your")  # fmt: skip
+
+
+def test_the_variants_wrong_answers_fail_the_public_checks():
+    found = 0
+    for exercise, wrong, idea in EXTRA:
+        if idea not in VARIANT_IDEAS:
+            continue
+        namespace = {}
+        exec(SETUP.replace("from qwen_mini.course import check", "") + "\n" + wrong, namespace)
+        obj = namespace[re.search(r"^(?:def|class) (\w+)", wrong, re.M).group(1)]
+        result = run_checks(exercise, obj)
+        assert result.status == "failed" and idea in result.message, (exercise, result.message)
+        found += 1
+    assert found >= 25
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS)

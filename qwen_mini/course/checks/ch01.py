@@ -533,12 +533,12 @@ def _cache_growth(KVCache):
     }
 
 
-def _two_updates(KVCache):
-    cache = KVCache(1, 2, 4, dtype=torch.float32)
-    first = cache.update(*_kv(3, 1))
+def _two_updates(KVCache, dtype=torch.float32):
+    cache = KVCache(1, 2, 4, dtype=dtype)
+    first = cache.update(*(t.to(dtype) for t in _kv(3, 1)))
     length = cache.length
     cache.commit(3)  # the model commits the pass once every layer has run
-    second = cache.update(*_kv(2, 3))
+    second = cache.update(*(t.to(dtype) for t in _kv(2, 3)))
     return {
         "first update returns the new (keys, values)": first,
         "length after update, before the model commits the pass": length,
@@ -546,8 +546,8 @@ def _two_updates(KVCache):
     }
 
 
-def _many_steps(KVCache):
-    cache = KVCache(1, 2, 4, dtype=torch.float32)
+def _many_steps(KVCache, **where):
+    cache = KVCache(1, 2, 4, dtype=torch.float32, **where)
     for step in range(150):  # past any initial capacity, several times
         k, v = cache.update(*_kv(1, 100 + step))
         cache.commit(1)
@@ -570,9 +570,23 @@ def _retry(KVCache):
     return {"retry after a failed pass: keys": k, "retry after a failed pass: values": v}
 
 
-case(CACHE, "two updates with a commit between", lambda g: (), _two_updates)
+# bfloat16: a cache made for a bfloat16 model stores (and returns) bfloat16; meta: its storage
+# on the device it is given (the model gives its own), not on the default one
+case(
+    CACHE,
+    "two updates with a commit between",
+    lambda g: (),
+    _two_updates,
+    variants=(bfloat16(call=lambda KVCache: _two_updates(KVCache, torch.bfloat16)),),
+)
 case(CACHE, "length, views, growth by doubling", lambda g: (), _cache_growth)
-case(CACHE, "150 one-token steps", lambda g: (), _many_steps)
+case(
+    CACHE,
+    "150 one-token steps",
+    lambda g: (),
+    _many_steps,
+    variants=(meta(call=lambda KVCache: _many_steps(KVCache, device="cpu")),),
+)
 case(CACHE, "a retry after a failed pass", lambda g: (), _retry, hidden=True)
 
 LENGTH_IDEA = (
@@ -697,17 +711,24 @@ def _inputs_of(module, where: list):
     return module.register_forward_pre_hook(hook)
 
 
-def _attention_run(Attention, cfg, seed, B=1, cached=0, T=4):
+def _attention_run(Attention, cfg, seed, B=1, cached=0, T=4, dtype=torch.float32):
     """The learner's layer run (after `cached` tokens in a cache, or with no cache), and what
     each stage saw: QK-Norm's input (per head, before RoPE), what it cached (the KV heads after
-    RoPE, before repeat_kv), o_proj's input (the merged heads), the output."""
+    RoPE, before repeat_kv), o_proj's input (the merged heads), the output. `dtype`: the
+    weights, input, cos and sin and cache in it (bfloat16: as the models ship)."""
     mine, reference = _pair(Attention, cfg, seed)
+    mine, reference = mine.to(dtype), reference.to(dtype)
     H_kv, D = cfg.num_key_value_heads, cfg.head_dim
-    x = randn(B, cached + T, cfg.hidden_size, seed=seed + 1)
+    x = randn(B, cached + T, cfg.hidden_size, seed=seed + 1).to(dtype)
+
+    def _rope(cfg, start, T):  # the model's forward hands cos and sin over in its dtype
+        return tuple(t.to(dtype) for t in rope_cos_sin(torch.arange(start, start + T),
+                                                       cfg.head_dim, cfg.rope_theta))  # fmt: skip
+
     cache = None
     with torch.no_grad():
         if cached:
-            cache = SpyCache(B, H_kv, D, dtype=torch.float32)
+            cache = SpyCache(B, H_kv, D, dtype=dtype)
             reference(x[:, :cached], *_rope(cfg, 0, cached), cache)
             cache.commit(cached)
             cache.stored.clear()
@@ -744,7 +765,7 @@ def _attention_run(Attention, cfg, seed, B=1, cached=0, T=4):
     stages["output of the layer (o_proj of the heads)"] = got
     if crash is not None:
         _stages_or_crash(
-            stages, crash, lambda: _attention_run(ref.Attention, cfg, seed, B, cached, T)
+            stages, crash, lambda: _attention_run(ref.Attention, cfg, seed, B, cached, T, dtype)
         )
     return stages
 
@@ -762,17 +783,19 @@ def _stages_or_crash(stages: dict, crash: Exception, reference_stages) -> None:
     raise crash
 
 
-def _attention_case(name, cfg, seed, B, cached, T, hidden=False):
-    def call(Attention):
-        return _attention_run(Attention, cfg, seed, B, cached, T)
+def _attention_case(name, cfg, seed, B, cached, T, hidden=False, bf16=False):
+    def call(Attention, dtype=torch.float32):
+        return _attention_run(Attention, cfg, seed, B, cached, T, dtype)
 
-    case(ATTN, name, lambda g: (), call, atol=1e-5, rtol=1e-4, hidden=hidden)
+    # bfloat16: the layer as the models ship, its weights, input, cos, sin and cache in bfloat16
+    variants = (bfloat16(call=lambda A: call(A, torch.bfloat16)),) if bf16 else ()
+    case(ATTN, name, lambda g: (), call, atol=1e-5, rtol=1e-4, hidden=hidden, variants=variants)
 
 
 ATTN = "ch01.Attention"
 QWEN3, QWEN2 = _tiny_cfg(qwen3=True), _tiny_cfg(qwen3=False, n_heads=6, n_kv=2, head_dim=4)
 _attention_case("stages, no cache (QK-Norm, 4 query heads on 2 KV heads)", QWEN3, 130, 2, 0, 5)
-_attention_case("stages, 3 new tokens after 4 cached", QWEN3, 131, 1, 4, 3)
+_attention_case("stages, 3 new tokens after 4 cached", QWEN3, 131, 1, 4, 3, bf16=True)
 _attention_case("Qwen2 style (QKV bias, no QK-Norm), 6 heads on 2", QWEN2, 26, 2, 0, 4)
 _attention_case(
     "6 heads on 3, 2 tokens after 5 cached",

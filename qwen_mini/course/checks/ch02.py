@@ -745,7 +745,14 @@ def _kept(remove_qk_norm, given):
     }
 
 
-case("ch02.remove_qk_norm", "a two-layer model with QK-Norm", _state_dict(True, 2), _kept)
+# bfloat16: the checkpoints ship in it; what is kept keeps its dtype
+case(
+    "ch02.remove_qk_norm",
+    "a two-layer model with QK-Norm",
+    _state_dict(True, 2),
+    _kept,
+    variants=("bfloat16",),
+)
 case(
     "ch02.remove_qk_norm",
     "a model without QK-Norm (Qwen2-like): every tensor kept",

@@ -21,7 +21,7 @@ from qwen_mini.architectures import ARCHITECTURES
 from qwen_mini.config import Config
 from qwen_mini.course.checking import between, case, mistake, named, randn, register, seeded
 from qwen_mini.course.observing import observe
-from qwen_mini.course.variants import bfloat16
+from qwen_mini.course.variants import bfloat16, registered
 from qwen_mini.rope import apply_rope, rope_cos_sin
 from qwen_mini.rope_scaling import rotary_cos_sin
 
@@ -551,6 +551,7 @@ case(
     _recurrent,
     **tol,
     seed=60,
+    variants=("meta",),  # the output it fills (or the state) made on its inputs' device
 )
 case(
     LOOP,
@@ -1232,6 +1233,7 @@ case(
     atol=1e-5,
     rtol=1e-5,
     seed=220,
+    variants=("meta",),  # (bfloat16: a case of its own below)
 )
 case(
     QKV,
@@ -1747,6 +1749,13 @@ case(
     atol=1e-5,
     rtol=1e-4,
     seed=260,
+    variants=(
+        registered(
+            lambda GatedAttention, cfg, *_: GatedAttention(cfg, 1, ARCHITECTURES[cfg.model_type]),
+            what="layer",
+            first=True,
+        ),
+    ),
 )
 case(
     GATT,
@@ -1909,6 +1918,9 @@ def _deltanet_formula(cfg, seed, x, pieces, dtype=torch.float32):
     }
 
 
+_LAYER_REGISTERED = registered(
+    lambda GatedDeltaNet, cfg, *_: GatedDeltaNet(cfg, 0), what="layer", first=True
+)
 case(
     LAYER,
     "2 key heads, 2 value heads, prompt of 3 then 1 token then 2: against a token-by-token loop",
@@ -1918,6 +1930,7 @@ case(
     atol=1e-5,
     rtol=1e-4,
     seed=270,
+    variants=(_LAYER_REGISTERED,),
 )
 case(
     LAYER,
