@@ -538,6 +538,24 @@ class KVCache(_KVCache):
 
 EXTRA += [
     (
+        "ch01.load_weights",
+        """def load_weights(model, header, get_tensor, prefix="model."):
+    params, sources = model.state_dict(), {}
+    for name in params:
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        sources[name] = prefix + name.removeprefix("model.") if name.startswith("model.") else name
+    state = {  # cast to the empty model's dtype: float32, whatever the checkpoint holds
+        name: get_tensor(key).to(params[name].dtype) for name, key in sources.items()
+    }
+    model.load_state_dict(state, assign=True, strict=False)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        sources["lm_head.weight"] = sources["model.embed_tokens.weight"]
+    return sources""",
+        BF16,
+    ),
+    (
         "ch02.remove_qk_norm",
         """def remove_qk_norm(state_dict):
     return {  # float32 copies of a bfloat16 checkpoint

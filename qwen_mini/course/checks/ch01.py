@@ -1559,8 +1559,8 @@ def _weights(target, model) -> dict:
     }
 
 
-def _load_untied(load_weights):
-    model = _tiny_model(80, tied=False)
+def _load_untied(load_weights, dtype=torch.float32):
+    model = _tiny_model(80, tied=False).to(dtype)
     stored = _checkpoint(model)
     stored["model.rotary_emb.inv_freq"] = torch.zeros(4)  # a tensor the model does not use
     target, sources, reads = _load(load_weights, model, stored)
@@ -1630,7 +1630,12 @@ def _load_qwen2(load_weights):
 
 
 case(
-    LOAD, "an untied model: the map, the reads, the tensors themselves", lambda g: (), _load_untied
+    LOAD,
+    "an untied model: the map, the reads, the tensors themselves",
+    lambda g: (),
+    _load_untied,
+    # a bfloat16 checkpoint loads as bfloat16 (the empty model is float32: no cast to it)
+    variants=(bfloat16(call=lambda load_weights: _load_untied(load_weights, torch.bfloat16)),),
 )
 case(LOAD, "a tied head, with and without a stored copy", lambda g: (), _load_tied)
 case(LOAD, "a checkpoint with a prefix, and a missing tensor", lambda g: (), _load_prefixed)
