@@ -193,6 +193,17 @@ def eos_ids_for(model, eos_token_ids=None) -> set[int]:
     return {int(i) for i in ids}
 
 
+# generation_config.json fields that change what transformers generates and that this package
+# does not implement, with their neutral values (as transformers' GenerationConfig defaults):
+# set to anything else, the file is refused rather than silently decoded another way
+NOT_IMPLEMENTED = {
+    "num_beams": (1,), "no_repeat_ngram_size": (0,), "typical_p": (1.0,),
+    "epsilon_cutoff": (0.0,), "eta_cutoff": (0.0,), "min_new_tokens": (0,),
+    "encoder_repetition_penalty": (1.0,), "bad_words_ids": ([],), "suppress_tokens": ([],),
+    "begin_suppress_tokens": ([],), "sequence_bias": ({},), "penalty_alpha": (0.0,),
+}  # fmt: skip
+
+
 def check_generation_config(gc: dict) -> None:
     """Raise ValueError if a generation_config.json's values could not be used: every sampling
     setting it gives, whether or not it samples, and its end ids."""
@@ -200,6 +211,13 @@ def check_generation_config(gc: dict) -> None:
         raise ValueError(f"do_sample must be true or false, got {gc['do_sample']!r}.")
     names = {f.name for f in fields(Sampling)}
     Sampling(**{k: v for k, v in gc.items() if k in names and v is not None})
+    for name, neutral in NOT_IMPLEMENTED.items():
+        if gc.get(name) is not None and gc[name] not in neutral:
+            raise ValueError(
+                f"{name} {gc[name]!r} is not implemented by qwen_mini (transformers would "
+                f"decode with it, so the output would differ): remove it, or set it to "
+                f"{neutral[0]!r}."
+            )
     if gc.get("eos_token_id") is not None:
         eos = gc["eos_token_id"]
         ids = eos if isinstance(eos, list) else [eos]

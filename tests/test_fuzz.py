@@ -431,6 +431,9 @@ def generation_config_cases() -> list[Case]:
         "top_p": [0, 1.5, math.nan, "x"], "min_p": [2, -0.1], "presence_penalty": [math.nan,
         math.inf, "x"], "repetition_penalty": [0, -1.1, "x", math.nan], "do_sample": ["yes", 1],
         "eos_token_id": ["x", -1, [1, 2.5]],
+        # what transformers would decode with and this package does not implement
+        "no_repeat_ngram_size": [3], "num_beams": [4], "typical_p": [0.9],
+        "bad_words_ids": [[[5]]], "min_new_tokens": [8],
     }  # fmt: skip
     cases = []
     for name, values in settings.items():
