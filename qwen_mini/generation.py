@@ -389,7 +389,8 @@ def generate(
 
     prompt: a string, encoded as it is (apply a chat template first for a chat model), or a list
         of token ids.
-    sampling, or its fields as keywords (temperature, top_k, top_p, min_p, presence_penalty):
+    sampling, or its fields as keywords (temperature, top_k, top_p, min_p, presence_penalty,
+        repetition_penalty; any other setting is refused by name):
         what is not given comes from the checkpoint's generation_config.json (e.g. Qwen3-0.6B:
         temperature 0.6, top_k 20, top_p 0.95); a checkpoint without one, or with
         `do_sample: false`, decodes greedily. Pass temperature=0 to force greedy decoding.
