@@ -117,3 +117,15 @@ def test_a_variant_is_data_checked_when_declared():
     assert "a bfloat16 input must give a bfloat16 output" in failed.message
     made_here = run_checks("ch97.double", lambda x: x * torch.full(x.shape, 2.0, dtype=x.dtype))
     assert "not on its input's device" in made_here.message
+
+
+def test_a_step_the_chapter_computes_in_float32_is_named_as_such():
+    """A bfloat16 input whose reference answer is float32 (a statistic, a normalised key): the
+    message says the output must be float32, not that a bfloat16 input gives bfloat16."""
+    register("ch96.mean32", reference=lambda x: x.float().mean(-1))
+    case("ch96.mean32", "a mean in float32", lambda g: (torch.ones(2, 3),), variants=("bfloat16",))
+    assert run_checks("ch96.mean32", lambda x: x.float().mean(-1)).ok
+    failed = run_checks("ch96.mean32", lambda x: x.mean(-1))
+    assert "with bfloat16 inputs, the output must be float32: yours is bfloat16" in (
+        failed.message
+    ), failed.message
