@@ -564,6 +564,16 @@ EXTRA += [
         BF16,
     ),
     (
+        "ch05.recurrent_step",
+        """def recurrent_step(S, q, k, v, g, beta):
+    S = S * g.exp()[..., None, None]
+    eye = torch.eye(k.shape[-1])  # no device=
+    b = beta[..., None, None]
+    S = (eye - b * k[..., :, None] * k[..., None, :]) @ S + b * k[..., :, None] * v[..., None, :]
+    return (q[..., None, :] @ S).squeeze(-2), S""",
+        DEVICE,
+    ),
+    (
         "ch05.chunk_loop",
         """def chunk_loop(U0, W, scores, q_decayed, k_to_end, chunk_decay, S):
     out = torch.zeros(U0.shape, dtype=U0.dtype)  # no device=
