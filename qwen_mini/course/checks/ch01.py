@@ -13,6 +13,7 @@ such as `torch.nn.functional.scaled_dot_product_attention`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import replace
@@ -37,7 +38,7 @@ from qwen_mini.course.checking import (
 )
 from qwen_mini.course.fakes.ch01 import Recorder, SpyCache, Watched
 from qwen_mini.course.lab import ch01 as lab
-from qwen_mini.course.observing import observe
+from qwen_mini.course.observing import graded, observe
 from qwen_mini.course.variants import backward, bfloat16, lazy, meta
 from qwen_mini.model import CausalLM
 from qwen_mini.norms import RMSNorm
@@ -689,13 +690,15 @@ def _row(cfg: Config):
     return ARCHITECTURES[cfg.model_type]
 
 
-def _pair(Attention, cfg, seed):
+def _pair(Attention, cfg, seed, on_meta=False):
     torch.manual_seed(seed)
     reference = ref.Attention(cfg, 1, _row(cfg))
     with torch.no_grad():  # random norm weights too, so that a skipped QK-Norm shows
         for p in reference.parameters():
             p.copy_(torch.randn(p.shape, generator=seeded(seed + p.numel())) * 0.3)
     mine = Attention(cfg, 1, _row(cfg))
+    if on_meta:  # built with the default device set to meta: its weights to the CPU first
+        mine.to_empty(device="cpu")
     mine.load_state_dict(reference.state_dict())
     return mine, reference
 
@@ -711,12 +714,14 @@ def _inputs_of(module, where: list):
     return module.register_forward_pre_hook(hook)
 
 
-def _attention_run(Attention, cfg, seed, B=1, cached=0, T=4, dtype=torch.float32):
+def _attention_run(Attention, cfg, seed, B=1, cached=0, T=4, dtype=torch.float32, on_meta=False):
     """The learner's layer run (after `cached` tokens in a cache, or with no cache), and what
     each stage saw: QK-Norm's input (per head, before RoPE), what it cached (the KV heads after
     RoPE, before repeat_kv), o_proj's input (the merged heads), the output. `dtype`: the
-    weights, input, cos and sin and cache in it (bfloat16: as the models ship)."""
-    mine, reference = _pair(Attention, cfg, seed)
+    weights, input, cos and sin and cache in it (bfloat16: as the models ship). `on_meta`: its
+    forward runs with the default device set to meta (the meta variant; when graded, the
+    sandbox sets it around every call of the learner's code)."""
+    mine, reference = _pair(Attention, cfg, seed, on_meta)
     mine, reference = mine.to(dtype), reference.to(dtype)
     H_kv, D = cfg.num_key_value_heads, cfg.head_dim
     x = randn(B, cached + T, cfg.hidden_size, seed=seed + 1).to(dtype)
@@ -737,8 +742,11 @@ def _attention_run(Attention, cfg, seed, B=1, cached=0, T=4, dtype=torch.float32
         if _row(cfg).qk_norm and getattr(mine, "q_norm", None) is not None:
             hooks.append(_inputs_of(mine.q_norm, seen_q))
         crash, got = None, None
+        x_new, cos, sin = x[:, cached:], *_rope(cfg, cached, T)
+        meta_here = on_meta and not graded()
         try:
-            got = mine(x[:, cached:], *_rope(cfg, cached, T), cache)
+            with torch.device("meta") if meta_here else contextlib.nullcontext():
+                got = mine(x_new, cos, sin, cache)
         except NotImplementedError:
             raise
         except Exception as e:  # the stages it got through may say why (a cache of 2 heads
@@ -765,7 +773,9 @@ def _attention_run(Attention, cfg, seed, B=1, cached=0, T=4, dtype=torch.float32
     stages["output of the layer (o_proj of the heads)"] = got
     if crash is not None:
         _stages_or_crash(
-            stages, crash, lambda: _attention_run(ref.Attention, cfg, seed, B, cached, T, dtype)
+            stages,
+            crash,
+            lambda: _attention_run(ref.Attention, cfg, seed, B, cached, T, dtype, on_meta),
         )
     return stages
 
@@ -787,8 +797,16 @@ def _attention_case(name, cfg, seed, B, cached, T, hidden=False, bf16=False):
     def call(Attention, dtype=torch.float32):
         return _attention_run(Attention, cfg, seed, B, cached, T, dtype)
 
-    # bfloat16: the layer as the models ship, its weights, input, cos, sin and cache in bfloat16
-    variants = (bfloat16(call=lambda A: call(A, torch.bfloat16)),) if bf16 else ()
+    # bfloat16: the layer as the models ship, its weights, input, cos, sin and cache in bfloat16;
+    # meta: what its forward makes (a mask for the queries after a cache) on its input's device
+    variants = (
+        (
+            bfloat16(call=lambda A: call(A, torch.bfloat16)),
+            meta(call=lambda A: _attention_run(A, cfg, seed, B, cached, T, on_meta=True)),
+        )
+        if bf16
+        else ()
+    )
     case(ATTN, name, lambda g: (), call, atol=1e-5, rtol=1e-4, hidden=hidden, variants=variants)
 
 
