@@ -32,7 +32,7 @@ class AttentionNormBeforeTranspose(ref.Attention):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v)
-        mask = ref.causal_mask(T, k.shape[2])
+        mask = ref.causal_mask(T, k.shape[2], x.device)  # where the layer runs
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(ref.merge_heads(out))
 
