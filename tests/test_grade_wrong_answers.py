@@ -632,6 +632,49 @@ class GatedDeltaNet(_package.GatedDeltaNet):
         "parameters are not all registered",
     ),
     (
+        "ch05.GatedDeltaNet",
+        """from qwen_mini import deltanet as _package
+
+
+class GatedDeltaNet(_package.GatedDeltaNet):
+    def forward(self, x, cos=None, sin=None, cache=None):
+        B, T, _ = x.shape
+        qkv, z, b, a = self.project(x)
+        if cache is not None:
+            conv_state, state = cache.conv, cache.recurrent
+        else:  # no device=: the CPU, wherever x is
+            conv_state = torch.zeros(B, self.conv_dim, self.kernel_size - 1, dtype=x.dtype)
+            state = None
+        heads = (self.n_k, self.d_k, self.n_v, self.d_v)
+        q, k, v, new_conv = _package.conv_qkv(qkv, self.conv1d.weight, conv_state, *heads)
+        beta, g = self.gates(b, a)
+        decoding = cache is not None and T == 1
+        rule = (_package.recurrent_gated_delta_rule if decoding
+                else _package.chunk_gated_delta_rule)  # fmt: skip
+        out, new_state = rule(q, k, v, g, beta, initial_state=state)
+        if cache is not None:
+            cache.update(new_conv, new_state)
+        out = self.norm(out.to(x.dtype), z.reshape(B, T, self.n_v, self.d_v))
+        return self.out_proj(out.reshape(B, T, -1))""",
+        DEVICE,
+    ),
+    (
+        "ch05.GatedAttention",
+        """from qwen_mini import attention as _package
+
+
+class GatedAttention(_package.GatedAttention):
+    def attend(self, q, k, v, cache=None):
+        T = q.shape[2]
+        if cache is not None:
+            k, v = cache.update(k, v)
+        n_rep = self.n_heads // self.n_kv_heads
+        k, v = _package.repeat_kv(k, n_rep), _package.repeat_kv(v, n_rep)
+        mask = _package.causal_mask(T, k.shape[2])  # no device: the CPU, wherever q is
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)""",
+        DEVICE,
+    ),
+    (
         "ch05.GatedAttention",
         """from qwen_mini import attention as _package
 

@@ -10,7 +10,7 @@ reference.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +20,8 @@ from qwen_mini import deltanet as ref
 from qwen_mini.architectures import ARCHITECTURES
 from qwen_mini.config import Config
 from qwen_mini.course.checking import between, case, mistake, named, randn, register, seeded
-from qwen_mini.course.observing import observe
-from qwen_mini.course.variants import bfloat16, registered
+from qwen_mini.course.observing import graded, observe
+from qwen_mini.course.variants import bfloat16, meta, registered
 from qwen_mini.rope import apply_rope, rope_cos_sin
 from qwen_mini.rope_scaling import rotary_cos_sin
 
@@ -1679,16 +1679,24 @@ def _randomized(module, seed, zero_centred=()):
     return module
 
 
-def _attention_pair(GatedAttention, cfg, seed, dtype=torch.float32):
+def _attention_pair(GatedAttention, cfg, seed, dtype=torch.float32, on_meta=False):
     reference = _randomized(attention.GatedAttention(cfg, 1, ARCHITECTURES[cfg.model_type]), seed)
     mine = GatedAttention(cfg, 1, ARCHITECTURES[cfg.model_type])
+    if on_meta:  # built with the default device set to meta: its weights to the CPU first
+        mine.to_empty(device="cpu")
     mine.load_state_dict(reference.state_dict())
     return mine.to(dtype), reference.to(dtype)
 
 
-def _gated_attention(GatedAttention, cfg, seed, x, pieces, dtype=torch.float32):
-    """The learner's layer on x with no cache, and fed in `pieces` through a KVCache."""
-    mine, _ = _attention_pair(GatedAttention, cfg, seed, dtype)
+def _gated_attention(GatedAttention, cfg, seed, x, pieces, dtype=torch.float32, on_meta=False):
+    """The learner's layer on x with no cache, and fed in `pieces` through a KVCache.
+    `on_meta`: its forward runs with the default device set to meta (as in _deltanet)."""
+    _mine, _ = _attention_pair(GatedAttention, cfg, seed, dtype, on_meta)
+
+    def mine(*args):
+        with torch.device("meta") if on_meta and not graded() else nullcontext():
+            return _mine(*args)
+
     x = x.to(dtype)
     T = x.shape[1]
     out = {}
@@ -1758,6 +1766,16 @@ case(
             first=True,
         ),
     ),
+)
+case(
+    GATT,
+    "prompt of 4, then 2 tokens at once (a mask for the queries after a cache)",
+    _layer_inputs(_qwen35_cfg(), T=6, pieces=(4, 2)),
+    _gated_attention,
+    atol=1e-5,
+    rtol=1e-4,
+    seed=262,
+    variants=(meta(call=lambda G, *inputs: _gated_attention(G, *inputs, on_meta=True)),),
 )
 case(
     GATT,
@@ -1851,21 +1869,29 @@ for name, flags, idea in (
 LAYER = "ch05.GatedDeltaNet"
 
 
-def _deltanet_pair(GatedDeltaNet, cfg, seed, dtype=torch.float32):
+def _deltanet_pair(GatedDeltaNet, cfg, seed, dtype=torch.float32, on_meta=False):
     reference = _randomized(ref.GatedDeltaNet(cfg, 0), seed)
     mine = GatedDeltaNet(cfg, 0)
+    if on_meta:  # built with the default device set to meta: its weights to the CPU first
+        mine.to_empty(device="cpu")
     mine.load_state_dict(reference.state_dict())
     return mine.to(dtype), reference.to(dtype)
 
 
-def _deltanet(GatedDeltaNet, cfg, seed, x, pieces, dtype=torch.float32):
+def _deltanet(GatedDeltaNet, cfg, seed, x, pieces, dtype=torch.float32, on_meta=False):
     """The learner's layer on x with no cache, then fed in `pieces` through a DeltaNetState:
-    the outputs and the states it leaves."""
-    mine, _ = _deltanet_pair(GatedDeltaNet, cfg, seed, dtype)
+    the outputs and the states it leaves. `on_meta`: its forward runs with the default device
+    set to meta (the meta variant; when graded, the sandbox sets it around every call)."""
+    mine, _ = _deltanet_pair(GatedDeltaNet, cfg, seed, dtype, on_meta)
     x = x.to(dtype)
     out = {}
+
+    def run(*args, **kwargs):
+        with torch.device("meta") if on_meta and not graded() else nullcontext():
+            return mine(*args, **kwargs)
+
     with torch.no_grad():
-        out["output, no cache"] = mine(x)
+        out["output, no cache"] = run(x)
         # the checks' own state object (the package's), as chapter 1's checks pass a KVCache
         state = ref.DeltaNetState(
             x.shape[0], cfg.linear_num_key_heads * cfg.linear_key_head_dim * 2
@@ -1875,7 +1901,7 @@ def _deltanet(GatedDeltaNet, cfg, seed, x, pieces, dtype=torch.float32):
         )  # fmt: skip
         outs, start = [], 0
         for n in pieces:
-            outs.append(mine(x[:, start : start + n], cache=state))
+            outs.append(run(x[:, start : start + n], cache=state))
             state.commit(n)
             start += n
         out[f"fed in pieces {list(pieces)}: outputs"] = torch.cat(outs, 1)
@@ -1932,7 +1958,11 @@ case(
     atol=1e-5,
     rtol=1e-4,
     seed=270,
-    variants=(_LAYER_REGISTERED,),
+    # meta: what its forward makes (the zero conv state of a prompt) on its input's device
+    variants=(
+        _LAYER_REGISTERED,
+        meta(call=lambda G, *inputs: _deltanet(G, *inputs, on_meta=True)),
+    ),
 )
 case(
     LAYER,
