@@ -183,8 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as e:  # a learner gets the message, not a traceback
-        kind = "" if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: "
-        print(f"qwen-mini: error: {kind}{e}", file=sys.stderr)
+        text = str(e)
+        if not isinstance(e, (ValueError, OSError)) or not text.strip():
+            # the kind where it says something, or is all there is ("MemoryError", not ": ")
+            text = f"{type(e).__name__}: {text}" if text.strip() else type(e).__name__
+        print(f"qwen-mini: error: {text}", file=sys.stderr)
         return 1
 
 
