@@ -200,6 +200,9 @@ def run(argv: list[str]) -> int:
         from .course.export import main as export_cli
 
         return export_cli(argv[1:])
+    if not argv:  # a bare `qwen-mini`: the command list, and the status of a usage error
+        build_parser().print_help()
+        return 2
     for arg in argv:
         check_argument(arg)
     try:
