@@ -55,6 +55,9 @@ _ticks = [[float(t) for t in _a.get_xticks()] for _a in _fig.axes]
 _n_heads = len(head_explorer("tiny QK-Norm model (trained here)", 0)["intact"]["max"])
 plt.close(_fig)
 _menu = head_view.controls["model"]
+_bundles = {_name: sorted(_view._repr_mimebundle_()) for _name, _view in
+            [("step", step_view), ("scale", scale_view), ("head", head_view)]}
+_png_start = step_view._repr_mimebundle_()["image/png"][:8]
 _d1, _d8 = norm_scale_view(1.0), norm_scale_view(8.0)
 _steps = training_step_view(0, 0, 0), training_step_view(n_records - 1, 0, 0)
 _heads = head_explorer("tiny QK-Norm model (trained here)", 0)
@@ -67,6 +70,8 @@ print("RESULT" + _json.dumps({
     "intact_max": _heads["intact"]["max"].tolist(),
     "removed_max": _heads["removed"]["max"].tolist(),
     "status": _status,
+    "bundles": _bundles,
+    "png_start": _png_start,
     "latest": _latest,
     "yscale": _curves.get_yscale(),
     "points_drawn": _inside,
@@ -159,3 +164,11 @@ def test_the_model_menu_fits_its_longest_entry(result):
     assert width.endswith("ch"), width
     # the entry, the label "model" and the menu's arrow, in character widths
     assert float(width[:-2]) >= max(map(len, result["menu_options"])) + len("model") + 3
+
+
+def test_a_view_carries_its_first_figure_for_static_pages(result):
+    """The course site cannot run a view: its display carries the first figure as a PNG beside
+    the widget (JupyterLab shows the widget)."""
+    for name, mimes in result["bundles"].items():
+        assert {"application/vnd.jupyter.widget-view+json", "image/png"} <= set(mimes), name
+    assert result["png_start"] == "iVBORw0K"  # base64 of the PNG signature
