@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 import warnings
 from importlib import metadata
@@ -183,8 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as e:  # a learner gets the message, not a traceback
-        kind = "" if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: "
-        print(f"qwen-mini: error: {kind}{e}", file=sys.stderr)
+        text = str(e)
+        if not isinstance(e, (ValueError, OSError)) or not text.strip():
+            # the kind where it says something, or is all there is ("MemoryError", not ": ")
+            text = f"{type(e).__name__}: {text}" if text.strip() else type(e).__name__
+        print(f"qwen-mini: error: {text}", file=sys.stderr)
         return 1
 
 
@@ -197,6 +201,9 @@ def run(argv: list[str]) -> int:
         from .course.export import main as export_cli
 
         return export_cli(argv[1:])
+    if not argv:  # a bare `qwen-mini`: the command list, and the status of a usage error
+        build_parser().print_help()
+        return 2
     for arg in argv:
         check_argument(arg)
     try:
@@ -373,13 +380,22 @@ def fill_defaults(args, model, max_new_tokens: int) -> None:
 
 # --- chat -------------------------------------------------------------------------------------
 
+# A line that starts with "/" and a word is a command of the chat, not a message.
+CHAT_COMMAND = re.compile(r"/([A-Za-z]+)(?:\s|$)")
+CHAT_HELP = """The chat's commands:
+  /help          this list
+  /reset         clear the conversation and start a new one (the model stays loaded)
+  /quit, /exit   leave the chat (so do Ctrl-D and Ctrl-C)
+Any other line is sent to the model; start it with // to send a line that begins with /."""
+
 
 def add_chat_parser(sub) -> None:
     c = sub.add_parser(
         "chat",
         help="multi-turn chat in the terminal, thinking shown apart from the answer",
         description="Chat with MODEL. The history is kept as the Qwen3 template expects and the "
-        "KV cache is reused across turns. Ctrl-D or Ctrl-C ends the chat.",
+        "KV cache is reused across turns. In the chat, /help lists its commands (/reset "
+        "clears the conversation); /quit, Ctrl-D or Ctrl-C ends it.",
     )
     c.add_argument("model", metavar="MODEL", help="a model name (Qwen/Qwen3-0.6B) or a folder")
     mode = c.add_mutually_exclusive_group()
@@ -419,15 +435,20 @@ def cmd_chat(args) -> int:
     model = load_model(args.model, device=args.device, arch=arch)
     tokenizer = load_tokenizer(args.model)
     fill_defaults(args, model, max_new_tokens=1024)
-    session = ChatSession(
-        model, tokenizer, thinking=args.think, budget=args.budget, system=args.system,
-        max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature,
-    )  # fmt: skip
+
+    def new_session():
+        return ChatSession(
+            model, tokenizer, thinking=args.think, budget=args.budget, system=args.system,
+            max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature,
+        )  # fmt: skip
+
+    session = new_session()
     tty = sys.stdout.isatty()
     dim, bold, reset = ("\x1b[2m", "\x1b[1m", "\x1b[0m") if tty else ("", "", "")
     mode = "thinking" if args.think else "no thinking"
     budget = f", budget {args.budget} tokens" if args.budget is not None else ""
-    print(f"qwen-mini chat: {args.model} ({mode}{budget}). Ctrl-D or Ctrl-C to leave.")
+    print(f"qwen-mini chat: {args.model} ({mode}{budget}). /help lists the commands; /quit, "
+          "Ctrl-D or Ctrl-C leaves.")  # fmt: skip
     if sys.stdin is None or sys.stdin.closed:
         raise ValueError("chat reads your messages from stdin, which is closed.")
     try:
@@ -447,6 +468,22 @@ def cmd_chat(args) -> int:
             except ValueError as e:
                 print(f"({e})")
                 continue
+            command = CHAT_COMMAND.match(text.strip())
+            if command:  # a command for the chat, never sent to the model
+                word = command.group(1).lower()
+                if word in ("quit", "exit"):
+                    return 0
+                if word == "reset":
+                    session = new_session()
+                    kept = "; the system prompt is kept" if args.system is not None else ""
+                    print(f"(conversation cleared: the next message starts a new one{kept})")
+                    continue
+                if word != "help":
+                    print(f"(/{command.group(1)} is not a command)")
+                print(CHAT_HELP)
+                continue
+            if text.lstrip().startswith("//"):  # "//x" sends "/x"
+                text = text.lstrip()[1:]
             channel = None
             for kind, piece in session.send(text):
                 if kind != channel:  # a label each time the stream changes channel

@@ -506,3 +506,24 @@ def fresh(tree):
     return nbs.dumps(
         build.learner_notebook(nbs.load(tree / "solutions" / FIXTURE.name), FIXTURE.name)
     )
+
+
+def test_the_readme_counts_each_chapters_exercises():
+    """The README's count of checked exercises per chapter is the registry's, which is the set
+    of exercises each solution notebook checks."""
+    import re
+
+    from qwen_mini.course import checking
+
+    readme = " ".join((REPO / "README.md").read_text().split())  # lines may be wrapped anywhere
+    found = re.search(
+        r"has (\d+) to (\d+) checked exercises \(chapters 0 to 6: ([\d, ]+)\)", readme
+    )
+    assert found, "README: the sentence with the exercises per chapter is gone"
+    counts = [len(checking.exercises(f"ch0{n}")) for n in range(7)]
+    assert [int(c) for c in found.group(3).split(", ")] == counts
+    assert (int(found.group(1)), int(found.group(2))) == (min(counts), max(counts))
+    for n, count in enumerate(counts):  # each solution notebook checks every one of them
+        path = next(REPO.glob(f"solutions/ch0{n}_*.ipynb"))
+        checked = set(re.findall(rf'check\(\\"(ch0{n}\.\w+)\\"', path.read_text()))
+        assert len(checked) == count, (path.name, sorted(checked))

@@ -18,6 +18,8 @@ NOTEBOOK = ROOT / "solutions" / "ch02_qk_norm.ipynb"
 PROBE = r"""
 import json as _json
 
+import numpy as np
+
 def _png(view):
     return view.output.outputs[-1]["data"]["image/png"]
 
@@ -31,6 +33,31 @@ for _name, _view in [("step", step_view), ("scale", scale_view), ("head", head_v
             _c.value = _c.min if _c.value != _c.min else _c.max
         _changed[f"{_name}.{_c_name}"] = (_before != _png(_view), len(_view.output.outputs))
 
+_status = {_name: _view.status.value for _name, _view in
+           [("step", step_view), ("scale", scale_view), ("head", head_view)]}
+_latest = {"record": step_view.controls["step_index"].value,
+           "layer": step_view.controls["layer"].value, "head": step_view.controls["head"].value}
+# a QK-Norm head's largest logit can be negative: one curve made negative, as such a head's is
+_data = training_step_view(n_records - 1, 0, 0)
+_data["QK-Norm"]["curve"] = [-abs(v) - 0.5 for v in _data["QK-Norm"]["curve"]]
+_fig = draw_training_step(_data, 0, 0)
+_curves = _fig.axes[len(live)]  # the top row's last panel: the largest logit per step
+_fig.canvas.draw()  # the axis limits as the figure shows them
+_inside = []  # per line: every point inside the panel (axes coordinates 0..1)
+for _l in _curves.get_lines():
+    _xy = (_l.get_transform() - _curves.transAxes).transform(_l.get_xydata())
+    _inside.append(bool((np.isfinite(_xy) & (_xy >= -1e-6) & (_xy <= 1 + 1e-6)).all()))
+_negative = sum(min(_l.get_ydata()) < 0 for _l in _curves.get_lines())
+plt.close(_fig)
+_fig = draw_heads(head_explorer("tiny QK-Norm model (trained here)", 0),
+                  "tiny QK-Norm model (trained here)", 0)
+_ticks = [[float(t) for t in _a.get_xticks()] for _a in _fig.axes]
+_n_heads = len(head_explorer("tiny QK-Norm model (trained here)", 0)["intact"]["max"])
+plt.close(_fig)
+_menu = head_view.controls["model"]
+_bundles = {_name: sorted(_view._repr_mimebundle_()) for _name, _view in
+            [("step", step_view), ("scale", scale_view), ("head", head_view)]}
+_png_start = step_view._repr_mimebundle_()["image/png"][:8]
 _d1, _d8 = norm_scale_view(1.0), norm_scale_view(8.0)
 _steps = training_step_view(0, 0, 0), training_step_view(n_records - 1, 0, 0)
 _heads = head_explorer("tiny QK-Norm model (trained here)", 0)
@@ -42,6 +69,18 @@ print("RESULT" + _json.dumps({
     "steps": [_steps[0]["QK-Norm"]["step"], _steps[1]["QK-Norm"]["step"]],
     "intact_max": _heads["intact"]["max"].tolist(),
     "removed_max": _heads["removed"]["max"].tolist(),
+    "status": _status,
+    "bundles": _bundles,
+    "png_start": _png_start,
+    "latest": _latest,
+    "yscale": _curves.get_yscale(),
+    "points_drawn": _inside,
+    "negative_lines": int(_negative),
+    "ticks": _ticks,
+    "n_heads": _n_heads,
+    "menu_width": _menu.layout.width,
+    "menu_options": list(_menu.options),
+    "notes": [c.value for c in step_view.children if isinstance(c, widgets.Label)],
 }))
 """
 
@@ -89,3 +128,47 @@ def test_training_step_and_head_views_data(result):
     assert result["rows_sum"] < 1e-5  # attention rows are distributions
     assert result["steps"][0] == 0 and result["steps"][1] > 0
     assert result["intact_max"] != result["removed_max"]
+
+
+def test_the_figure_says_the_latest_values(result):
+    """Each redraw reads every control as it is when it starts, and the line under the controls
+    says which values the figure is for: after the moves above, the latest ones."""
+    latest = result["latest"]
+    want = f"the figure shows record {latest['record']}, layer {latest['layer']}, "
+    assert result["status"]["step"] == want + f"head {latest['head']}"
+    for name in ("scale", "head"):
+        assert result["status"][name].startswith("the figure shows "), result["status"]
+
+
+def test_the_record_slider_is_explained(result):
+    notes = [n for n in result["notes"] if n.startswith("record:")]
+    assert len(notes) == 1 and "every 5 steps" in notes[0], result["notes"]
+
+
+def test_every_largest_logit_curve_is_drawn(result):
+    """A log axis would drop a curve's points at or below 0 (a QK-Norm head's largest logit can
+    be negative; log clips them far below the panel): with one curve made negative, every point of
+    every curve lies inside the panel."""
+    assert result["yscale"] == "symlog"
+    assert result["negative_lines"] >= 2  # the curve made negative and its marker
+    assert result["points_drawn"] and all(result["points_drawn"]), result["points_drawn"]
+
+
+def test_the_head_axis_has_a_tick_per_head(result):
+    for ticks in result["ticks"]:
+        assert ticks == list(range(result["n_heads"])), ticks
+
+
+def test_the_model_menu_fits_its_longest_entry(result):
+    width = result["menu_width"]
+    assert width.endswith("ch"), width
+    # the entry, the label "model" and the menu's arrow, in character widths
+    assert float(width[:-2]) >= max(map(len, result["menu_options"])) + len("model") + 3
+
+
+def test_a_view_carries_its_first_figure_for_static_pages(result):
+    """The course site cannot run a view: its display carries the first figure as a PNG beside
+    the widget (JupyterLab shows the widget)."""
+    for name, mimes in result["bundles"].items():
+        assert {"application/vnd.jupyter.widget-view+json", "image/png"} <= set(mimes), name
+    assert result["png_start"] == "iVBORw0K"  # base64 of the PNG signature

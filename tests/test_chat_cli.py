@@ -120,3 +120,66 @@ def test_budget_without_thinking_is_refused(capsys):
 
     assert main(["chat", "Qwen/Qwen3-0.6B", "--no-think", "--budget", "3"]) == 1
     assert "--budget" in capsys.readouterr().err
+
+
+def _chat_lines(lines, capsys, monkeypatch, *args):
+    """`qwen-mini chat` in this process, its messages read from a pipe (stdin is not a terminal)
+    on the offline stand-in; returns (exit status, what it printed)."""
+    import io
+
+    from qwen_mini.cli import main
+
+    monkeypatch.delenv("QWEN_MINI_WEIGHTS", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", "/tmp/qwen-mini-empty-hf")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(line + "\n" for line in lines)))
+    code = main(["chat", "Qwen/Qwen3-0.6B", "--no-think", "--max-new-tokens", "3", "--seed", "0",
+                 *args])  # fmt: skip
+    return code, capsys.readouterr().out
+
+
+def _stats(out):
+    return re.findall(r"\((\d+) tokens, \d+ thinking; [\d.]+ tokens/s; prompt (\d+) tokens, "
+                      r"(\d+) reused", out)  # fmt: skip
+
+
+def test_chat_commands_are_not_sent_to_the_model(capsys, monkeypatch):
+    lines = ["/help", "/frobnicate now", "Hi", "And you?", "/reset", "Hi", "/quit", "never sent"]
+    code, out = _chat_lines(lines, capsys, monkeypatch, "--system", "Be brief.")
+    assert code == 0, out
+    assert "/help lists the commands" in out  # said when the chat starts
+    assert out.count("The chat's commands:") == 2  # /help, and after the unknown command
+    assert "(/frobnicate is not a command)" in out
+    for command in ("/help", "/reset", "/quit, /exit"):
+        assert f"\n  {command} " in out
+    stats = _stats(out)
+    assert len(stats) == 3, out  # three messages reached the model: no command, nothing after /quit
+    # the second message continues the conversation (its prompt starts with the cached first
+    # turn); after /reset the same first message is a new conversation: nothing cached, and its
+    # prompt is the first one's again (the system prompt kept)
+    assert int(stats[1][2]) > 0 and int(stats[1][1]) > int(stats[0][1])
+    assert int(stats[2][2]) == 0 and stats[2][1] == stats[0][1]
+    assert "conversation cleared" in out and "the system prompt is kept" in out
+    assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("leave", ["/exit", "/QUIT"])
+def test_chat_exit_commands_leave_at_once(capsys, monkeypatch, leave):
+    code, out = _chat_lines([leave, "never sent"], capsys, monkeypatch)
+    assert code == 0 and _stats(out) == [], out
+
+
+def test_a_double_slash_sends_the_line_with_one_slash(capsys, monkeypatch):
+    """A message may begin with "/": written "//", the chat sends it with one slash."""
+    from qwen_mini.chat import ChatSession
+
+    sent = []
+    original = ChatSession.send
+
+    def send(self, text):
+        sent.append(text)
+        return original(self, text)
+
+    monkeypatch.setattr(ChatSession, "send", send)
+    code, out = _chat_lines(["//usr/bin is a folder", "/quit"], capsys, monkeypatch)
+    assert code == 0 and sent == ["/usr/bin is a folder"], out

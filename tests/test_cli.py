@@ -112,6 +112,18 @@ def test_help_and_usage_errors_return_codes(capsys):
     assert main(["generate"]) == 2  # PROMPT missing: argparse's usage message
 
 
+def test_bare_command_lists_the_commands(capsys, monkeypatch):
+    """`qwen-mini` alone prints the whole help, every command with its line, and exits 2 (no
+    command given is a usage error, as for argparse's own)."""
+    monkeypatch.setenv("COLUMNS", "100")  # argparse wraps the help lines at the terminal's width
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("usage: qwen-mini")
+    for command in ("generate", "chat", "download", "doctor", "reset", "progress", "grade"):
+        assert f"\n    {command} " in out, (command, out)
+    assert "multi-turn chat in the terminal" in out  # each command's help line, not only names
+
+
 def test_download_fetches_once_then_finds_it_locally(monkeypatch, tmp_path, capsys):
     import huggingface_hub
     from test_hub import FakeHub

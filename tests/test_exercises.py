@@ -292,3 +292,35 @@ def test_expect_equal_messages():
         ex.expect_equal("shape", (2, 1), (1, 2))
     with pytest.raises(AssertionError, match="1 of 2 values differ"):
         ex.expect_equal("ids", torch.tensor([1, 2]), torch.tensor([1, 3]))
+
+
+def _memory_error(x):
+    raise MemoryError()  # what a huge allocation raises: an exception with no text
+
+
+def test_an_exception_without_text_is_named_alone():
+    assert ex.exception_text(MemoryError()) == "MemoryError"
+    assert ex.exception_text(ValueError("  ")) == "ValueError"
+    assert ex.exception_text(ValueError("bad size")) == "ValueError: bad size"
+    assert ex.exception_text(ValueError("x" * 900), 10) == "ValueError: " + "x" * 10
+    message = ex.run_checks("ch99.add_one", _memory_error).message
+    assert "your code raised MemoryError" in message and "MemoryError:" not in message, message
+
+
+def test_a_header_reader_that_runs_out_of_memory_is_named_without_an_empty_text(tmp_path):
+    """Chapter 0's header reader explains the 8-byte prefix after the learner's exception; one
+    with no text reads "raised MemoryError. The first 8 bytes…", never "MemoryError: ."."""
+    message = ex.run_checks("ch00.read_safetensors_header", lambda path: _memory_error(path))
+    assert "your code raised MemoryError. " in message.message, message.message
+    assert ": ." not in message.message
+
+
+def test_the_command_line_names_an_exception_without_text(monkeypatch, capsys):
+    from qwen_mini import cli
+
+    def run(argv):
+        raise MemoryError()
+
+    monkeypatch.setattr(cli, "run", run)
+    assert cli.main(["doctor"]) == 1
+    assert capsys.readouterr().err == "qwen-mini: error: MemoryError\n"

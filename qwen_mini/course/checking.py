@@ -507,9 +507,20 @@ def run_checks(exercise_id: str, obj, hidden: bool = False) -> Result:
         except Exception as e:  # the learner's code crashed inside the check
             where = learner_line(e)
             at = f" ({where})" if where else ""
-            message = f"{name} failed: your code raised {type(e).__name__}: {e}{at}{crash_idea(e)}"
+            message = f"{name} failed: your code raised {exception_text(e)}{at}{crash_idea(e)}"
             return Result(exercise_id, "failed", done, len(checks), message, kind, e)
     return Result(exercise_id, "passed", len(checks), len(checks), kind=kind)
+
+
+def exception_text(e: BaseException, limit: int = 500) -> str:
+    """`e` as "MemoryError: text", or its name alone when it has no text ("MemoryError", never
+    "MemoryError: "); the text cut to `limit` characters."""
+    try:
+        text = str(e)
+    except Exception:  # a learner's exception class whose __str__ itself raises
+        text = "(a message that could not be read)"
+    text = text[:limit]
+    return f"{type(e).__name__}: {text}" if text.strip() else type(e).__name__
 
 
 def crash_idea(e: BaseException) -> str:

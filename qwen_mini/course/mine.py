@@ -363,7 +363,7 @@ def load(notebooks: Path | str = ".", only: list[str] | None = None) -> dict[str
         try:
             obj = _load_one(path, resolve)
         except Exception as e:  # the learner's code: any error means "not usable"
-            why = f"yours does not load: {type(e).__name__}: {e}"
+            why = f"yours does not load: {checking.exception_text(e)}"
             return Piece(exercise_id, "package", ref, why)
         with contextlib.redirect_stdout(io.StringIO()):  # what the learner's code prints
             result = checking.run_checks(exercise_id, obj)

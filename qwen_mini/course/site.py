@@ -32,6 +32,10 @@ WIDGET_NOTE = (
     "*An interactive view (sliders) is drawn here when the notebook runs in JupyterLab: "
     "`make lab`.*"
 )
+STILL_NOTE = (
+    "*Above: the interactive view at its first settings, as a still picture. Its sliders redraw "
+    "it when the notebook runs in JupyterLab: `make lab`.*"
+)
 
 CONF = """# Written by python -m qwen_mini.course.site: the Sphinx settings of the course site.
 project = "qwen-mini"
@@ -94,11 +98,30 @@ def executed(path: Path, timeout: int) -> dict:
         client.store_widget_state = False
         client.execute()
     for cell in nb.cells:
-        for output in cell.get("outputs", []):
-            if WIDGET in output.get("data", {}):
-                output["data"] = {"text/markdown": WIDGET_NOTE}
+        if "outputs" in cell:
+            cell["outputs"] = static_outputs(cell["outputs"])
     nb.metadata.pop("widgets", None)
     return nb
+
+
+def static_outputs(outputs: list) -> list:
+    """A cell's outputs with each widget view replaced by what a static page can show: the
+    view's default figure where its display carries one (chapter 2's views do), and a note that
+    the sliders need JupyterLab."""
+    import nbformat
+
+    static = []
+    for output in outputs:
+        data = output.get("data", {})
+        if WIDGET not in data:
+            static.append(output)
+        elif "image/png" in data:
+            still = {"image/png": data["image/png"], "text/plain": "<the view's first figure>"}
+            static.append(nbformat.v4.new_output("display_data", data=still))
+            static.append(nbformat.v4.new_output("display_data", {"text/markdown": STILL_NOTE}))
+        else:
+            static.append(nbformat.v4.new_output("display_data", {"text/markdown": WIDGET_NOTE}))
+    return static
 
 
 def _run_one(job: tuple[Path, Path, int]) -> tuple[str, float]:

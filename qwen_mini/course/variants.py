@@ -221,7 +221,7 @@ def _bfloat16(c: checking.Case, v: Variant, obj) -> None:
 def _raised(e: BaseException) -> str:
     """The learner's exception, and where in their cells it was raised."""
     where = checking.learner_line(e)
-    return f"{type(e).__name__}: {str(e)[:240]}" + (f" at {where}" if where else "")
+    return checking.exception_text(e, 240) + (f" at {where}" if where else "")
 
 
 # --- meta ----------------------------------------------------------------------------------------

@@ -22,7 +22,15 @@ from torch import nn
 from qwen_mini import mlp, norms, rope, safetensors_file
 from qwen_mini.architectures import architecture, config_from_dict
 from qwen_mini.config import ASSETS, Config
-from qwen_mini.course.checking import between, case, mistake, named, randn, register
+from qwen_mini.course.checking import (
+    between,
+    case,
+    exception_text,
+    mistake,
+    named,
+    randn,
+    register,
+)
 from qwen_mini.course.lab import ch00 as lab
 from qwen_mini.course.observing import observe
 from qwen_mini.course.variants import bfloat16
@@ -95,7 +103,7 @@ def _read(read_safetensors_header, path):
         first = Path(path).open("rb").read(8)
         little, big = struct.unpack("<Q", first)[0], struct.unpack(">Q", first)[0]
         raise AssertionError(
-            f"your code raised {type(e).__name__}: {e}. {LENGTH} ({first.hex(' ')}): {little} "
+            f"your code raised {exception_text(e)}. {LENGTH} ({first.hex(' ')}): {little} "
             f"bytes of JSON follow (read big-endian they would claim {big:,} bytes)"
         ) from None
 

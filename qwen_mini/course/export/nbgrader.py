@@ -159,7 +159,7 @@ def grading_message(result: checking.Result, entry: checking.Exercise) -> str:
             return result.message
         name = entry.public[result.passed][0]
         e = result.exception
-        return f"{name} failed: your code raised {type(e).__name__}: {str(e)[:500]}"
+        return f"{name} failed: your code raised {checking.exception_text(e)}"
     name = entry.hidden[result.passed - len(entry.public)][0]
     if result.exception is None:
         return f"a hidden check failed: {name}"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import observing
-from ..checking import crash_idea, learner_line
+from ..checking import crash_idea, exception_text, learner_line
 from .cpu import Clock
 from .plan import GraderError, Reference, Submission
 from .protocol import WrongType
@@ -344,7 +344,10 @@ class Session:
                     at = f" at {where}" if where else ""
                     return "failed", f"a hidden check failed: {name} ({what}{at})"
                 at = f" ({where})" if where else ""
-                return "failed", f"{name} failed: {what}: {str(e)[:500]}{at}{crash_idea(e)}"
+                return (
+                    "failed",
+                    f"{name} failed: your code raised {exception_text(e)}{at}{crash_idea(e)}",
+                )
         return "passed", f"passed {len(checks)}/{len(checks)} checks"
 
     def _use(self, exercise: str, obj) -> bool:
@@ -393,7 +396,7 @@ def grade_notebook(sub: Submission, ref: Reference, zygote: Zygote, options: Opt
         # not graded yet are `crashed`, the others keep their grades, and the run goes on
         if session.conn is not None:
             session._keep_output(session.conn.close())
-        why = f"{type(e).__name__}: {str(e)[:300]}"
+        why = exception_text(e, 300)
         if isinstance(e, (WorkerFault, GraderError, OSError)):
             why = f"the grading process could not go on ({why})"
         else:

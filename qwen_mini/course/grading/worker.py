@@ -36,7 +36,7 @@ import types
 from pathlib import Path
 
 from .. import observing
-from ..checking import learner_line
+from ..checking import exception_text, learner_line
 from . import byvalue, isolation, protocol
 from .monitor import Monitor, Snapshot, changed
 from .protocol import Codec, Handle, ProtocolError
@@ -385,7 +385,7 @@ def _describe(e: BaseException, filename: str) -> str:
         return f"called sys.exit({_text(e)}); a notebook must not exit"
     lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == filename]
     at = f" (line {lines[-1]} of the cell)" if lines else ""
-    return f"raised {type(e).__name__}: {_text(e, 500)}{at}"
+    return f"raised {exception_text(e)}{at}"
 
 
 def _helpers_alive() -> str:
@@ -639,7 +639,7 @@ def _in_child(fn) -> str:
             try:
                 text = fn()
             except BaseException as e:
-                text = f"{type(e).__name__}: {e}"
+                text = exception_text(e)
             os.write(w, text.encode()[:2000])
         finally:
             os._exit(0)
