@@ -186,7 +186,7 @@ class QKVBiasAttention(Attention):
         self.k_proj = nn.Linear(hidden, kv_width, bias=True)
         self.v_proj = nn.Linear(hidden, kv_width, bias=True)
         self.o_proj = nn.Linear(q_width, hidden, bias=False)  # Qwen2: no bias on the output
-        self.q_norm = self.k_norm = None  # no QK-Norm: the biases are Qwen2's alternative
+        self.q_norm = self.k_norm = None  # no QK-Norm (the biases do not bound the logits)
 
 
 def split_query_gate(q_proj_out: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
