@@ -196,6 +196,25 @@ EXTRA = [
 # backward pass, a list where a generator yields, modules kept in a plain list (variants.py).
 BF16 = "a bfloat16 input must give a bfloat16 output"
 DEVICE = "not on its input's device"
+
+
+def _mask_without_device(cls: str) -> str:
+    """An attention class whose causal mask is made on the CPU, wherever its queries are: the
+    one mistake of a wrong answer shared by ch01.Attention and ch05.GatedAttention."""
+    return f"""import qwen_mini.attention as _package  # not its names: those of other exercises
+
+
+class {cls}(_package.{cls}):
+    def attend(self, q, k, v, cache=None):
+        T = q.shape[2]
+        if cache is not None:
+            k, v = cache.update(k, v)
+        n_rep = self.n_heads // self.n_kv_heads
+        k, v = _package.repeat_kv(k, n_rep), _package.repeat_kv(v, n_rep)
+        mask = _package.causal_mask(T, k.shape[2])  # no device: the CPU, wherever q is
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)"""
+
+
 EXTRA += [
     (
         "ch01.causal_mask",
@@ -508,22 +527,7 @@ class Attention(_package.Attention):
         return scores.softmax(-1) @ v  # float32 out of a bfloat16 layer""",
         BF16,
     ),
-    (
-        "ch01.Attention",
-        """import qwen_mini.attention as _package  # not its names: those of other exercises
-
-
-class Attention(_package.Attention):
-    def attend(self, q, k, v, cache=None):
-        T = q.shape[2]
-        if cache is not None:
-            k, v = cache.update(k, v)
-        n_rep = self.n_heads // self.n_kv_heads
-        k, v = _package.repeat_kv(k, n_rep), _package.repeat_kv(v, n_rep)
-        mask = _package.causal_mask(T, k.shape[2])  # no device: the CPU, wherever q is
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)""",
-        DEVICE,
-    ),
+    ("ch01.Attention", _mask_without_device("Attention"), DEVICE),
     (
         "ch01.KVCache",
         """from qwen_mini.attention import KVCache as _KVCache
@@ -658,22 +662,7 @@ class GatedDeltaNet(_package.GatedDeltaNet):
         return self.out_proj(out.reshape(B, T, -1))""",
         DEVICE,
     ),
-    (
-        "ch05.GatedAttention",
-        """from qwen_mini import attention as _package
-
-
-class GatedAttention(_package.GatedAttention):
-    def attend(self, q, k, v, cache=None):
-        T = q.shape[2]
-        if cache is not None:
-            k, v = cache.update(k, v)
-        n_rep = self.n_heads // self.n_kv_heads
-        k, v = _package.repeat_kv(k, n_rep), _package.repeat_kv(v, n_rep)
-        mask = _package.causal_mask(T, k.shape[2])  # no device: the CPU, wherever q is
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)""",
-        DEVICE,
-    ),
+    ("ch05.GatedAttention", _mask_without_device("GatedAttention"), DEVICE),
     (
         "ch05.GatedAttention",
         """from qwen_mini import attention as _package
