@@ -164,9 +164,10 @@ class Sampling:
             for name in ("top_k", "top_p", "min_p"):
                 if getattr(self, name) is not None:
                     text += f", {name} {getattr(self, name):g}"
-        for name in ("presence_penalty", "repetition_penalty"):
-            if getattr(self, name) and getattr(self, name) != (1 if "rep" in name else 0):
-                text += f", {name} {getattr(self, name):g}"
+        for name, neutral in (("presence_penalty", 0), ("repetition_penalty", 1)):
+            value = getattr(self, name)
+            if value is not None and value != neutral:  # a penalty that changes nothing: unsaid
+                text += f", {name} {value:g}"
         return text
 
 

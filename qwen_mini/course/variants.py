@@ -187,10 +187,11 @@ def _bfloat16(c: checking.Case, v: Variant, obj) -> None:
         where, mine, theirs = wrong
         idea = checking._matching_mistake(vc, entry, got, seed, obj)
         if theirs != torch.bfloat16:  # a step the prose computes in float32 (or an integer)
+            hint = ": cast to it first, e.g. .float()" if theirs == torch.float32 else ""
             raise AssertionError(
                 f"with bfloat16 inputs, {where} must be {_short_dtype(theirs)}: yours is "
-                f"{_short_dtype(mine)} (the chapter computes it in {_short_dtype(theirs)}: cast "
-                "to it first, e.g. .float())" + (f"; {idea}" if idea else "")
+                f"{_short_dtype(mine)} (the chapter computes it in {_short_dtype(theirs)}{hint})"
+                + (f"; {idea}" if idea else "")
             )
         raise AssertionError(
             f"a {_short_dtype(theirs)} input must give a {_short_dtype(theirs)} output: "
