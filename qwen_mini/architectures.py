@@ -31,6 +31,7 @@ from .families import QWEN3, QWEN3_5, Family
 from .fused_deltanet import FusedGatedDeltaNet
 from .mlp import MLP
 from .moe import SharedExpertMoeBlock, qwen3_moe_mlp
+from .ngram_embedding import PLELayer
 from .norms import RMSNorm, ZeroCentredRMSNorm
 from .sparse_attention import IndexedAttention
 from .streams import StreamReader, hyper_connected_forward, hyper_connected_layer
@@ -200,7 +201,7 @@ QWEN4_EXP_ROW = dict(
     },
     mlp=fused_shared_expert_moe_mlp,  # every layer; held fused, as the release stores them
     norm=ZeroCentredRMSNorm,
-    decoder_layer=hyper_connected_layer,
+    decoder_layer=partial(hyper_connected_layer, ple_layer=PLELayer),
     final=StreamReader,  # the read gate alone: the streams mixed into the head's input
     final_name="hyper_connection_mixer",
     forward=hyper_connected_forward,
@@ -380,7 +381,7 @@ def config_from_dict(
 ) -> Config:
     """The config of a config.json `d`: the per-type defaults of its row (or of `arch`, a row
     with other blocks), checked against that row."""
-    check_config_json(d, source)  # every bad value in one error, before anything is read
+    check_config_json(d, source, ARCHITECTURES)  # every bad value at once, before any is read
     arch = arch if arch is not None else architecture(d.get("model_type"), source)
     cfg = Config.from_dict(d, source, {**arch.config_defaults, **arch.fixed_fields})
     check_config(cfg, arch, source)

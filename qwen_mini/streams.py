@@ -180,13 +180,12 @@ class HyperConnectedLayer(nn.Module):
         return self.mlp_hyper_connection(h, self.mlp)
 
 
-def hyper_connected_layer(cfg: Config, layer_idx: int, arch, ple_layer=None) -> nn.Module:
+def hyper_connected_layer(
+    cfg: Config, layer_idx: int, arch, ple_layer: type[nn.Module]
+) -> nn.Module:
     """Layer `layer_idx` of a qwen4_exp model: the row's mixer (by `layer_types`) and
-    feed-forward, and an n-gram embedding (`ple_layer`, default the package's PLELayer) where
-    `ple_layer_ids` lists the layer (1-indexed)."""
-    if ple_layer is None:  # imported here: the n-gram embedding builds on StreamNorm, above
-        from qwen_mini.ngram_embedding import PLELayer as ple_layer
-
+    feed-forward, and an n-gram embedding (`ple_layer`, which the row names: it builds on
+    StreamNorm, above) where `ple_layer_ids` lists the layer (1-indexed)."""
     layer_type = cfg.layer_types[layer_idx]
     ple = None
     if layer_idx + 1 in cfg.ple_layer_ids:  # its place in the list picks its hash and primes

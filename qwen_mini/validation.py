@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 # the dtype names config.json may give for the weights (`dtype`, or `torch_dtype` before
@@ -141,9 +142,11 @@ def text_fields(d: dict) -> dict:
     return {**d, **d["text_config"]} if isinstance(d.get("text_config"), dict) else d
 
 
-def check_config_json(d: object, source: str = "config.json") -> None:
+def check_config_json(d: object, source: str, architectures: Mapping[str, object]) -> None:
     """Raise one ConfigError listing every field of config.json `d` that is missing, of the wrong
-    type or out of range, or that asks for something qwen_mini does not implement."""
+    type or out of range, or that asks for something qwen_mini does not implement, judged by the
+    row of its model type in `architectures` (the table, handed in: it imports the blocks, and
+    the blocks use the helpers here)."""
     if not isinstance(d, dict):
         raise ConfigError(
             f"{source}: holds a JSON {json_type(d)}, but a config.json is one JSON object "
@@ -151,11 +154,9 @@ def check_config_json(d: object, source: str = "config.json") -> None:
         )
     if _depth(d) > MAX_DEPTH:
         raise ConfigError(f"{source}: nested more than {MAX_DEPTH} levels deep: not a config.")
-    from .architectures import ARCHITECTURES  # the table imports the blocks, which import Config
-
-    if not isinstance(d.get("model_type"), str) or d["model_type"] not in ARCHITECTURES:
+    if not isinstance(d.get("model_type"), str) or d["model_type"] not in architectures:
         return  # the model type is named first (architecture()): its fields may mean other things
-    arch = ARCHITECTURES[d["model_type"]]
+    arch = architectures[d["model_type"]]
     problems = _type_problems(d, text_fields(d), arch)
     if not problems:  # the relations between fields can only be read off well-typed fields
         # with the model type's defaults for the fields the file leaves out
@@ -324,6 +325,7 @@ def _block_problems(t: dict, arch) -> list[str]:
     (a function of the text model's fields, the row's defaults filled in, giving messages like
     the ones here) is asked."""
     blocks = [*arch.mixers.values(), arch.mlp, arch.decoder_layer, arch.forward]
+    blocks = [getattr(b, "func", b) for b in blocks]  # a partial of a block asks as the block
     checks = dict.fromkeys(getattr(b, "config_problems", None) for b in blocks)  # each once
     fields = {**arch.config_defaults, **t}
     return [p for check in checks if check is not None for p in check(fields)]
