@@ -12,6 +12,7 @@ import json
 import math
 import os
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 
 # the dtype names config.json may give for the weights (`dtype`, or `torch_dtype` before
@@ -325,7 +326,7 @@ def _block_problems(t: dict, arch) -> list[str]:
     (a function of the text model's fields, the row's defaults filled in, giving messages like
     the ones here) is asked."""
     blocks = [*arch.mixers.values(), arch.mlp, arch.decoder_layer, arch.forward]
-    blocks = [getattr(b, "func", b) for b in blocks]  # a partial of a block asks as the block
+    blocks = [b.func if isinstance(b, partial) else b for b in blocks]  # asked as the block
     checks = dict.fromkeys(getattr(b, "config_problems", None) for b in blocks)  # each once
     fields = {**arch.config_defaults, **t}
     return [p for check in checks if check is not None for p in check(fields)]
