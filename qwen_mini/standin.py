@@ -120,7 +120,7 @@ UNUSED_SCALE = 1e-3
 def standin_kind(name: str) -> str:
     """A few words on what `name`'s stand-in writes, for notices."""
     if name in TRAINED:
-        return "tiny, trained on a little King James Bible English: simple text, no knowledge"
+        return "tiny: simple English"  # one line of a notebook: under 100 characters
     return "tiny, random: gibberish"
 
 
