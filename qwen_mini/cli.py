@@ -36,10 +36,10 @@ DESCRIPTION = (
     "package the qwen-mini course builds: generate text, chat, fetch the real weights, check the "
     "installation, start a chapter's notebook over, list which exercises are yours, grade "
     "submitted notebooks. Without real weights on disk, a known model name runs on its "
-    "stand-in (a tiny random model)."
+    "stand-in (a tiny model of the same architecture)."
 )
-# The stand-in is random: it never closes its thinking, and what it writes is gibberish. Short
-# replies show the mechanics without minutes of noise; the budget leaves room for an answer.
+# The stand-in is tiny: it writes simple English (Qwen2.5's, random, gibberish) and may think
+# on and on. Short replies show the mechanics in a moment; the budget leaves room for an answer.
 STANDIN_MAX_NEW_TOKENS, STANDIN_BUDGET = 48, 8
 DEVICE_HELP = "where the model runs: cpu (default), cuda, cuda:1, mps"
 MINE_HELP = (
@@ -368,7 +368,8 @@ def fill_defaults(args, model, max_new_tokens: int) -> None:
         budget = f" and thinking to a budget of {STANDIN_BUDGET}" if unbudgeted else ""
         print(
             f"qwen-mini: on the stand-in, replies default to {STANDIN_MAX_NEW_TOKENS} tokens"
-            f"{budget}: a random model never ends its thinking (--max-new-tokens, --budget).",
+            f"{budget}: a tiny model soon repeats itself and may think on and on "
+            "(--max-new-tokens, --budget).",
             file=sys.stderr,
         )
         max_new_tokens = STANDIN_MAX_NEW_TOKENS

@@ -6,7 +6,7 @@ A name resolves, in order, to:
   3. the local Hugging Face cache (where transformers and huggingface_hub keep what they fetch),
   4. a download from the Hugging Face hub, only when asked (download=True or
      QWEN_MINI_DOWNLOAD=1) and only on a machine that is online,
-  5. the stand-in: a tiny random model of the same architecture (see standin.py), with a notice.
+  5. the stand-in: a tiny model of the same architecture (see standin.py), with a notice.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from .architectures import Architecture, config_from_file
 from .checkpoint import INDEX_FILE, SINGLE_FILE, checked_device, checked_dtype, load_checkpoint
 from .model import CausalLM
-from .standin import STANDINS, load_standin
+from .standin import STANDINS, TRAINED, load_standin, standin_kind
 from .validation import as_path
 
 # the models this course is written for, with their model_type
@@ -175,7 +175,7 @@ def resolve(name_or_path: str | Path, download: bool = False) -> Resolved:
 
 def standin_notice(name: str) -> str:
     """The one line that says a name runs on its stand-in."""
-    return f"qwen_mini: no weights found for {name}; using its stand-in (tiny, random: gibberish)."
+    return f"qwen_mini: no weights found for {name}; using its stand-in ({standin_kind(name)})."
 
 
 def standin_help(name: str) -> str:
@@ -186,7 +186,12 @@ def standin_help(name: str) -> str:
     return "\n".join(
         [
             "  Looked in: " + "; ".join(searched) + ".",
-            "  The stand-in has the real architecture and tokenizer; its weights are random.",
+            "  The stand-in has the real architecture and tokenizer at a tiny size"
+            + (
+                "; it was trained on a little English (simple sentences, no knowledge)."
+                if name in TRAINED
+                else "; its weights are random."
+            ),
             "  To use the real weights, do one of:",
             f"    - put the checkpoint folder at ${WEIGHTS_ENV}/{short} and set {WEIGHTS_ENV};",
             f"    - have it in the Hugging Face cache ({hf_cache_dir()}), where transformers and",

@@ -1,17 +1,25 @@
-"""Tiny random models with the real architectures: what runs when the real weights are absent.
+"""Tiny models with the real architectures: what runs when the real weights are absent.
 
 Each stand-in has the real model's `model_type`, QKV bias or QK-Norm, weight tying, RoPE base,
 context length, vocabulary (151,936 or 248,320 rows, so the real tokenizer works) and
 end-of-sequence ids, but only 2 layers of width 64 (Qwen3.5: 4, three Gated DeltaNet and one
-attention, as 3 : 1). It runs every notebook in seconds; its text is gibberish.
-Its weights go through the same validation and assignment as a real checkpoint's.
+attention, as 3 : 1). It runs every notebook in seconds.
+
+The stand-ins of Qwen3-0.6B and Qwen3.5-0.8B are trained (scripts/train_standins.py, weights in
+assets/standins/) on about 120,000 tokens of narrative books of the King James Bible (public
+domain), so they write simple English in that style: real words, mostly grammatical, with no
+knowledge and no reasoning. Qwen3-0.6B's also saw chat turns, so it closes a think block and
+answers. The Qwen2.5-0.5B stand-in keeps random weights: its text is gibberish.
+Their weights go through the same validation and assignment as a real checkpoint's.
 """
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from .architectures import Architecture, config_from_dict
 from .checkpoint import build_model, checkpoint_name, expected_shapes, meta_model, validate
@@ -43,6 +51,7 @@ STANDINS = {
             bos_token_id=151643,
             eos_token_id=151645,
         ),
+        "chat": True,  # its training text has chat turns (the template ships with the tokenizer)
         "generation_config": {
             "bos_token_id": 151643,
             "do_sample": True,
@@ -99,6 +108,25 @@ STANDINS = {
 }
 
 SEED = 0
+# the stand-ins with trained weights (scripts/train_standins.py); the others stay random
+TRAINED = ("Qwen/Qwen3-0.6B", "Qwen/Qwen3.5-0.8B")
+WEIGHTS_DIR = Path(__file__).parent / "assets" / "standins"
+# the rows of the embedding that the training text never used: tiny fixed noise (the random
+# stand-in's, scaled down), so their logits stay ~0 as trained, yet an id outside the text
+# still gives a hidden state that is not all zeros
+UNUSED_SCALE = 1e-3
+
+
+def standin_kind(name: str) -> str:
+    """A few words on what `name`'s stand-in writes, for notices."""
+    if name in TRAINED:
+        return "tiny: simple English"  # one line of a notebook: under 100 characters
+    return "tiny, random: gibberish"
+
+
+def standin_file(name: str) -> Path:
+    """Where the trained weights of `name`'s stand-in are stored."""
+    return WEIGHTS_DIR / (name.split("/")[-1].lower() + ".safetensors")
 
 
 def _random_weights(model: CausalLM, seed: int) -> dict[str, torch.Tensor]:
@@ -130,20 +158,42 @@ def _random_weights(model: CausalLM, seed: int) -> dict[str, torch.Tensor]:
     return weights
 
 
+def _trained_weights(name: str, weights: dict, model: CausalLM) -> dict[str, torch.Tensor]:
+    """The random `weights` with the trained ones of standin_file(name) in their place: every
+    stored tensor, and the stored rows (`used_ids`) of the embedding, whose other rows become
+    the random rows scaled by UNUSED_SCALE."""
+    path = standin_file(name)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"the stand-in's weights {path} are missing: reinstall qwen_mini, or write them "
+            f"with `python scripts/train_standins.py {name}` from the repository's root."
+        )
+    stored = load_file(str(path))
+    ids = stored.pop("used_ids")
+    embed = checkpoint_name("model.embed_tokens.weight", model.config, model.arch)
+    full = (weights[embed].float() * UNUSED_SCALE).to(weights[embed].dtype)
+    full[ids] = stored.pop(embed)
+    return {**weights, **stored, embed: full}
+
+
 def load_standin(
     name: str,
     dtype: torch.dtype | str | None = None,
     arch: Architecture | None = None,
     device: torch.device | str = "cpu",
+    trained: bool = True,
 ) -> CausalLM:
     """The stand-in for a known model name, e.g. "Qwen/Qwen3-0.6B" (same weights every call),
-    built from `arch` (default: the row of its model_type), on `device`."""
+    built from `arch` (default: the row of its model_type), on `device`. trained=False gives the
+    random weights it starts from (what training added is the difference)."""
     if name not in STANDINS:
         raise ValueError(f"no stand-in for {name!r}; stand-ins exist for: {', '.join(STANDINS)}.")
     spec = STANDINS[name]
     cfg = config_from_dict(spec["config"], f"stand-in {name}", arch)
     model = meta_model(cfg, arch)
     weights = _random_weights(model, SEED)
+    if trained and name in TRAINED:
+        weights = _trained_weights(name, weights, model)
     # the same checks and the same assignment as a checkpoint read from disk
     validate(cfg, {k: tuple(w.shape) for k, w in weights.items()}, f"stand-in {name}", model=model)
     model = build_model(cfg, weights, dtype, model, device=device)

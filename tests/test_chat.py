@@ -114,7 +114,7 @@ def test_greedy_in_thinking_mode_warns():
         chat.sampling_preset(False, temperature=0)  # non-thinking greedy: no warning
 
 
-# --- sessions on the stand-in (random weights: only mechanics are tested) ---------------------
+# --- sessions on the stand-in (a tiny model: only mechanics are tested) -----------------------
 
 
 @pytest.fixture(scope="module")

@@ -58,8 +58,9 @@ A course in which you build `qwen_mini`, a small and readable PyTorch package th
 **Qwen3-0.6B** and **Qwen3.5-0.8B**, one architectural idea per chapter.
 
 These pages are the course as a learner first sees it: the explanations, the figures and every
-exercise's statement, run on the embedded stand-in weights (a tiny random model with the real
-architecture and tokenizer, so generated text is gibberish). Where an exercise goes, the code
+exercise's statement, run on the embedded stand-in weights (tiny models with the real
+architecture and tokenizer, trained on a little English from the King James Bible, so generated
+text is simple and knows nothing). Where an exercise goes, the code
 says `raise NotImplementedError(...)`; the checks after it say "not implemented yet", and the
 figures use the package's own pieces. To do the exercises, clone the repository and run
 `make lab`.
