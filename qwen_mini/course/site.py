@@ -28,6 +28,7 @@ from . import notebooks as nbs
 
 ROOT = Path(__file__).resolve().parents[2]
 WIDGET = "application/vnd.jupyter.widget-view+json"
+DIAGRAMS = "diagrams"  # the folder of the site's sources that the notebooks' pictures go to
 WIDGET_NOTE = (
     "*An interactive view (sliders) is drawn here when the notebook runs in JupyterLab: "
     "`make lab`.*"
@@ -125,12 +126,34 @@ def static_outputs(outputs: list) -> list:
     return static
 
 
+def attachments_as_files(nb: dict, folder: Path) -> None:
+    """Write each markdown cell's attachments (the chapters' diagrams) into `folder` and point
+    the cell's `attachment:NAME` links at those files, in place: Sphinx copies an image it finds
+    as a file onto the page, and the attachment stays what the learner sees in JupyterLab."""
+    import base64
+
+    for cell in nb["cells"]:
+        attachments = cell.get("attachments") or {}
+        if cell.get("cell_type") != "markdown" or not attachments:
+            continue
+        text = nbs.source(cell)
+        for name, bundle in attachments.items():
+            data = next(iter(bundle.values()))  # one picture per name, base64
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_bytes(base64.b64decode(data))
+            text = text.replace(f"(attachment:{name})", f"({folder.name}/{name})")
+        cell["source"] = text
+        cell.pop("attachments")
+
+
 def _run_one(job: tuple[Path, Path, int]) -> tuple[str, float]:
     import nbformat
 
     path, target, timeout = job
     started = time.monotonic()
-    nbformat.write(executed(path, timeout), target)
+    nb = executed(path, timeout)
+    attachments_as_files(nb, target.parent / DIAGRAMS)
+    nbformat.write(nb, target)
     return path.name, time.monotonic() - started
 
 

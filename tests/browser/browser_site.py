@@ -7,10 +7,10 @@ Run by `make test-site` after `make site` (Debian's `chromium`, the `playwright`
 
 Serves the site on a local port and opens every page: no console error, no failed request and no
 request leaving the machine, every image drawn (naturalWidth > 0), every internal link (and its
-#fragment) found; each chapter page has the search box and links to every other chapter, and a
-search for a word of a chapter returns that chapter. Then, without a browser: no line from inside
-a `### BEGIN SOLUTION` region of any solution notebook appears in the site's text. $SITE_DIR
-replaces build/site.
+#fragment) found; each chapter page shows its diagrams, has the search box and links to every
+other chapter, and a search for a word of a chapter returns that chapter. Then, without a
+browser: no line from inside a `### BEGIN SOLUTION` region of any solution notebook appears in
+the site's text. $SITE_DIR replaces build/site.
 """
 
 from __future__ import annotations
@@ -79,6 +79,19 @@ def test_the_site_has_a_page_per_chapter():
 
 
 @pytest.mark.parametrize("page", _pages() if SITE.is_dir() else ["index.html"])
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_a_chapter_page_shows_its_diagrams(chapter):
+    """Each diagram of assets/diagrams/ is on its chapter's page (the test above checks that
+    every image of a page is drawn)."""
+    prefix = chapter.split("_")[0]
+    page = (SITE / f"{chapter}.html").read_text(encoding="utf-8")
+    for path in sorted((ROOT / "assets" / "diagrams").glob(f"{prefix}_*.svg")):
+        assert re.search(rf'<img [^>]*src="_images/{re.escape(path.name)}"', page), (
+            f"{chapter}.html does not show {path.name}"
+        )
+        assert (SITE / "_images" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
 def test_page_loads_with_its_images_and_links(page, site_url, browser):
     tab = browser.new_page()
     problems = []

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from qwen_mini import fused_deltanet, ngram_embedding, sparse_attention, streams
 from qwen_mini.architectures import config_from_dict
 from qwen_mini.course.checking import between, case, mistake, randn, register
+from qwen_mini.course.experiments.ch06 import TINY_CONFIGS
 from qwen_mini.course.lab import ch06 as lab
 
 register(
@@ -753,7 +754,7 @@ def naive_memory(cfg, bytes_per_value):
 
 
 def _ngram_cfg(**fields):
-    return config_from_dict(dict(lab.TINY_CONFIGS["qwen4_exp_text"], **fields))
+    return config_from_dict(dict(TINY_CONFIGS["qwen4_exp_text"], **fields))
 
 
 case(
