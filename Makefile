@@ -19,13 +19,13 @@ $(BIN)/python:
 
 $(VENV)/.course: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install "$(TORCH)"
-	$(BIN)/pip install -e .
+	$(BIN)/pip install -e ".[course]"
 	touch $@
 
 # The test tools share the environment with the course; nbgrader's JupyterLab menus and server
 # extensions are turned off in it, so `make lab` shows the course only.
 $(VENV)/.dev: pyproject.toml scripts/hide_test_tools.py $(VENV)/.course
-	$(BIN)/pip install -e ".[dev]"
+	$(BIN)/pip install -e ".[course,dev]"
 	$(BIN)/python scripts/hide_test_tools.py
 	touch $@
 
@@ -67,7 +67,7 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 browser-deps: $(VENV)/.dev
 	command -v chromium >/dev/null || ($(SUDO) apt-get update && $(SUDO) apt-get install -y chromium)
-	$(BIN)/pip install -e ".[browser]"
+	$(BIN)/pip install -e ".[course,browser]"
 
 test-browser: browser-deps
 	mkdir -p $(VENV)/empty-hf-cache
@@ -77,7 +77,7 @@ test-browser: browser-deps
 # (as the build makes them: course/'s committed copies, never a learner's answers) run on the
 # stand-in, rendered by Sphinx with MyST-NB (README: "The course as a website").
 $(VENV)/.site: pyproject.toml $(VENV)/.course
-	$(BIN)/pip install -e ".[site]"
+	$(BIN)/pip install -e ".[course,site]"
 	touch $@
 
 site: $(VENV)/.site

@@ -1,4 +1,5 @@
-"""Time `qwen-mini grade` on a class: N copies of a chapter's solution notebook, graded at once.
+"""Time `qwen-mini-course grade` on a class: N copies of a chapter's solution notebook, graded
+at once.
 
     python bench/bench_grader.py                      # 20 chapter-1 notebooks, --jobs 2
     python bench/bench_grader.py --repo /path/to/other/checkout   # the same, another version

@@ -3,7 +3,7 @@
     python bench/bench_vs_transformers.py            # the real 28 layers, ~5-10 minutes
     python bench/bench_vs_transformers.py --layers 4 # a quick smoke run
 
-Random weights of the exact shape (qwen_mini/assets/configs/qwen3-0.6b/config.json) are written
+Random weights of the exact shape (assets/configs/qwen3-0.6b/config.json) are written
 once as a bfloat16 model.safetensors, as released. Both libraries load that file in float32 in this
 process and are timed alternately (warm-up, then the median of a few repeats), so a machine that
 slows down or speeds up during the run affects both alike. Loading is measured separately in a
@@ -29,7 +29,7 @@ from safetensors import safe_open
 
 ROOT = Path(__file__).resolve().parent.parent
 # read as a path, not through qwen_mini.config: the transformers runs never import qwen_mini
-CONFIG_DIR = ROOT / "qwen_mini" / "assets" / "configs" / "qwen3-0.6b"
+CONFIG_DIR = ROOT / "assets" / "configs" / "qwen3-0.6b"
 GB = 1e9
 
 

@@ -1,14 +1,14 @@
-"""The `qwen-mini` command: generate text, chat, check the installation, reset a chapter,
-grade notebooks.
+"""The `qwen-mini` command: generate text, chat, fetch the real weights, check the installation.
 
     qwen-mini generate Qwen/Qwen3-0.6B "The capital of France is" --max-new-tokens 20
     qwen-mini generate Qwen/Qwen3-0.6B "Why is the sky blue?" --chat --no-thinking
     qwen-mini chat Qwen/Qwen3-0.6B --think --budget 256 --device cuda
     qwen-mini download Qwen/Qwen3-0.6B   (the real weights, once, on a machine that is online)
     qwen-mini doctor
-    qwen-mini reset ch03           (start a chapter's notebook over; the old one is kept)
-    qwen-mini grade ...            (see `qwen-mini grade --help`)
-    qwen-mini export ...           (nbgrader or Gradescope; see `qwen-mini export --help`)
+
+The course's commands (reset, progress, `--mine`, grade, export) are those of
+`qwen-mini-course` (qwen_mini/course/cli.py, installed with `pip install "qwen-mini[course]"`),
+which has these too; this module never imports the course.
 
 Generated text goes to stdout; notices (stand-in model, sampling settings) go to stderr, so
 `qwen-mini generate ... > out.txt` keeps only the text.
@@ -17,14 +17,13 @@ Generated text goes to stdout; notices (stand-in model, sampling settings) go to
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
+import shlex
 import sys
 import warnings
 from importlib import metadata
-from pathlib import Path
 
 from .families import QWEN3, family_of
 
@@ -34,27 +33,34 @@ ALWAYS_OFFLINE = ("Qwen/Qwen3-0.6B", "Qwen/Qwen3.5-0.8B")
 DESCRIPTION = (
     "Run Qwen checkpoints (Qwen3, Qwen3.5, Qwen2.5 and the Qwen3-MoE format) with qwen_mini, the "
     "package the qwen-mini course builds: generate text, chat, fetch the real weights, check the "
-    "installation, start a chapter's notebook over, list which exercises are yours, grade "
-    "submitted notebooks. Without real weights on disk, a known model name runs on its "
-    "stand-in (a tiny model of the same architecture)."
+    "installation. Without real weights on disk, a known model name runs on its stand-in (a "
+    "tiny model of the same architecture)."
+)
+# What the course's command (qwen-mini-course) adds: named here only to point there.
+COURSE_COMMANDS = ("reset", "progress", "grade", "export")  # and generate's and chat's --mine
+EPILOG = (
+    "The course's commands (reset, progress, generate and chat --mine on your own pieces, "
+    "grade, export) are those of qwen-mini-course, which has these too; it comes with "
+    'pip install "qwen-mini[course]".'
 )
 # The stand-in is tiny: it writes simple English (Qwen2.5's, random, gibberish) and may think
 # on and on. Short replies show the mechanics in a moment; the budget leaves room for an answer.
 STANDIN_MAX_NEW_TOKENS, STANDIN_BUDGET = 48, 8
 DEVICE_HELP = "where the model runs: cpu (default), cuda, cuda:1, mps"
-MINE_HELP = (
-    "build the model from your own pieces (the exercises you passed in the notebooks), the "
-    "package's where yours is missing or not passing; prints whose each block is"
-)
-MINE_DIR_HELP = "with --mine or progress: the folder of your notebooks (default: this one)"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qwen-mini", description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="qwen-mini", description=DESCRIPTION, epilog=EPILOG)
     sub = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", help="what to do (COMMAND --help)"
     )
+    add_commands(sub)
+    return parser
 
+
+def add_commands(sub) -> dict[str, argparse.ArgumentParser]:
+    """Add the model's commands to `sub` (here and in qwen-mini-course); return their parsers
+    by name, for the course's command to add its options to."""
     g = sub.add_parser(
         "generate",
         help="continue a prompt, streaming the text",
@@ -105,8 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="download the weights from the Hugging Face hub if not found locally",
     )
-    g.add_argument("--mine", action="store_true", help=MINE_HELP)
-    g.add_argument("--dir", type=Path, default=Path("."), help=MINE_DIR_HELP)
 
     d = sub.add_parser(
         "download",
@@ -116,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Needs internet and huggingface_hub (pip install -e '.[download]').",
     )
     d.add_argument("model", metavar="MODEL", help="a model name, e.g. Qwen/Qwen3-0.6B")
-    add_chat_parser(sub)
+    c = add_chat_parser(sub)
     doctor = sub.add_parser("doctor", help="check the installation: versions, models, tokenizer")
     doctor.add_argument(
         "--scan",
@@ -124,56 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead, read every weight of MODEL (a name or a folder) and report the tensors "
         "holding NaN or infinite values",
     )
-    r = sub.add_parser(
-        "reset",
-        help="start a chapter's notebook over (the old one is kept as a backup)",
-        description="Put the fresh learner copy of CHAPTER into course/, made from solutions/ "
-        "as the build makes it. Your old copy is kept as "
-        "course/.backups/chNN_name-DATE-TIME.ipynb (a hidden folder; an earlier backup is never "
-        "overwritten). Your kept pieces of the chapter (see qwen-mini progress) stay in use "
-        "unless you add --pieces.",
-    )
-    r.add_argument(
-        "--pieces",
-        action="store_true",
-        help="also set the chapter's kept pieces aside (moved, never deleted): later chapters "
-        "and --mine use the package's until your exercises pass again",
-    )
-    r.add_argument(
-        "chapter", metavar="CHAPTER", help="ch03, 3, ch03_moe or the notebook's file name"
-    )
-    r.add_argument(
-        "--dir",
-        type=Path,
-        default=Path("."),
-        help="the course's clone, holding course/ and solutions/ (default: this folder or the "
-        "nearest one above it)",
-    )
-    p = sub.add_parser(
-        "progress",
-        help="which exercises are yours and which fall back to the package's",
-        description="For the notebooks in --dir, list per chapter the exercises whose code is "
-        "yours (kept when it passed its checks in the notebook, and passing again now) and "
-        "those for which the package's code stands in, with the reason.",
-    )
-    p.add_argument("--dir", type=Path, default=Path("."), help=MINE_DIR_HELP)
-    p.add_argument(
-        "--json",
-        action="store_true",
-        help='print one JSON object: exercise id -> "learner" or "package"',
-    )
-    sub.add_parser(
-        "grade", help="grade submitted notebooks (qwen-mini grade --help)", add_help=False
-    )
-    sub.add_parser(
-        "export",
-        help="a chapter for nbgrader or Gradescope (qwen-mini export --help)",
-        add_help=False,
-    )
-    return parser
+    return {"generate": g, "chat": c, "download": d, "doctor": doctor}
 
 
 def main(argv: list[str] | None = None) -> int:
+    return guarded(run, argv, "qwen-mini")
+
+
+def guarded(run, argv: list[str] | None, prog: str) -> int:
+    """`run(argv)` with the errors a learner can meet as one line each, never a traceback (the
+    course's command runs through it too)."""
     _tolerate_any_locale()
     try:
         return run(sys.argv[1:] if argv is None else list(argv))
@@ -188,40 +152,41 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(e, (ValueError, OSError)) or not text.strip():
             # the kind where it says something, or is all there is ("MemoryError", not ": ")
             text = f"{type(e).__name__}: {text}" if text.strip() else type(e).__name__
-        print(f"qwen-mini: error: {text}", file=sys.stderr)
+        print(f"{prog}: error: {text}", file=sys.stderr)
         return 1
 
 
-def run(argv: list[str]) -> int:
-    if argv[:1] == ["grade"]:  # grading has its own parser: hand it everything after "grade"
-        from .course.grading.cli import main as grade_cli
-
-        return grade_cli(argv[1:])
-    if argv[:1] == ["export"]:  # so does exporting
-        from .course.export import main as export_cli
-
-        return export_cli(argv[1:])
-    if not argv:  # a bare `qwen-mini`: the command list, and the status of a usage error
-        build_parser().print_help()
+def run(argv: list[str], parser: argparse.ArgumentParser | None = None, commands=None) -> int:
+    """Parse `argv` and run its command: the model's, or with the course's `parser` and
+    `commands` (name -> function of the parsed arguments), qwen-mini-course's."""
+    if parser is None:
+        parser, commands = build_parser(), COMMANDS
+        named = [a for a in argv[:1] if a in COURSE_COMMANDS] + [a for a in argv if a == "--mine"]
+        if named:  # a learner used to the course's command: say which one runs it
+            print(f"qwen-mini: error: {named[0]} belongs to the course's command: "
+                  f"qwen-mini-course {shlex.join(argv)} (it comes with "
+                  f"pip install \"qwen-mini[course]\")", file=sys.stderr)  # fmt: skip
+            return 2
+    prog = parser.prog
+    if not argv:  # a bare command: the command list, and the status of a usage error
+        parser.print_help()
         return 2
     for arg in argv:
         check_argument(arg)
     try:
-        args = build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
     except SystemExit as e:  # --help or a usage error: argparse has printed the message
         return int(e.code or 0)
     if args.command == "generate" and args.no_thinking and not args.chat:
         print(
-            "qwen-mini: error: --no-thinking only applies to chat prompts; add --chat.",
+            f"{prog}: error: --no-thinking only applies to chat prompts; add --chat.",
             file=sys.stderr,
         )
         return 2
     if (getattr(args, "max_new_tokens", None) or 0) < 0:  # None: the default, filled in later
-        print("qwen-mini: error: --max-new-tokens must be >= 0.", file=sys.stderr)
+        print(f"{prog}: error: --max-new-tokens must be >= 0.", file=sys.stderr)
         return 2
     import_torch_whole()
-    commands = {"generate": cmd_generate, "download": cmd_download, "doctor": cmd_doctor}
-    commands.update(chat=cmd_chat, reset=cmd_reset, progress=cmd_progress)
     return commands[args.command](args)
 
 
@@ -295,64 +260,6 @@ def cmd_download(args) -> int:
     return 0
 
 
-# --- reset ------------------------------------------------------------------------------------
-
-
-def cmd_reset(args) -> int:
-    from .course.workspace import find_clone, kept_pieces, reset, set_pieces_aside
-
-    clone = find_clone(args.dir)
-    notebook, backup = reset(clone, args.chapter)
-    print(f"{notebook}: the fresh copy of the chapter")
-    print(f"your old copy is kept as {backup}" if backup else "(the old had no changes of yours)")
-    if backup:
-        print(f"  (backups are in {backup.parent}/, a hidden folder the course never reads)")
-    label = notebook.name.split("_")[0]
-    if args.pieces:
-        folder = set_pieces_aside(clone, args.chapter)
-        if folder:
-            print(f"your kept pieces of {label} are set aside in {folder}/; later chapters and "
-                  f"--mine use the package's until your exercises pass again")  # fmt: skip
-        else:
-            print(f"(no kept pieces of {label} to set aside)")
-    elif pieces := kept_pieces(clone, args.chapter):
-        print(f"your {len(pieces)} kept pieces of {label} (in {pieces[0].parent}/) are still "
-              f"used by later chapters and --mine; to set them aside too: qwen-mini reset "
-              f"{label} --pieces")  # fmt: skip
-    return 0
-
-
-# --- your own pieces --------------------------------------------------------------------------
-
-
-def cmd_progress(args) -> int:
-    from .course import mine
-
-    pieces = mine.load(args.dir)
-    if args.json:
-        print(json.dumps({x: p.whose for x, p in pieces.items()}, indent=1))
-    else:
-        print(f"your pieces for the notebooks in {mine.notebook_folder(args.dir)}:")
-        print(mine.progress(pieces))
-    return 0
-
-
-def your_architecture(args):
-    """With --mine, the row of MODEL's model_type built from your pieces (the table of whose
-    each block is goes to stderr); else None, the package's row."""
-    if not getattr(args, "mine", False):
-        return None
-    from .course import mine
-    from .hub import model_type_of
-
-    model_type = model_type_of(args.model)
-    pieces = mine.load(args.dir, only=list(mine.BLOCKS))
-    row, table = mine.architecture(model_type, pieces)
-    print(f"qwen-mini: {model_type} built from these blocks:", file=sys.stderr)
-    print(mine.format_table(table), file=sys.stderr)
-    return row
-
-
 # --- the stand-in -----------------------------------------------------------------------------
 
 
@@ -390,7 +297,7 @@ CHAT_HELP = """The chat's commands:
 Any other line is sent to the model; start it with // to send a line that begins with /."""
 
 
-def add_chat_parser(sub) -> None:
+def add_chat_parser(sub) -> argparse.ArgumentParser:
     c = sub.add_parser(
         "chat",
         help="multi-turn chat in the terminal, thinking shown apart from the answer",
@@ -421,18 +328,18 @@ def add_chat_parser(sub) -> None:
     c.add_argument("--temperature", type=float, help="default: the mode's preset; 0 = greedy")
     c.add_argument("--seed", type=int, help="makes sampling reproducible")
     c.add_argument("--device", default="cpu", help=DEVICE_HELP)
-    c.add_argument("--mine", action="store_true", help=MINE_HELP)
-    c.add_argument("--dir", type=Path, default=Path("."), help=MINE_DIR_HELP)
+    return c
 
 
-def cmd_chat(args) -> int:
+def cmd_chat(args, arch=None) -> int:
+    """`arch`: a row of the table to build the model from (the course's --mine), else the
+    package's."""
     from .chat import ChatSession
     from .hub import load_model
     from .tokenizer import load_tokenizer
 
     if args.budget is not None and (args.budget < 0 or not args.think):
         raise ValueError("--budget N needs N >= 0 and thinking mode (not --no-think).")
-    arch = your_architecture(args)
     model = load_model(args.model, device=args.device, arch=arch)
     tokenizer = load_tokenizer(args.model)
     fill_defaults(args, model, max_new_tokens=1024)
@@ -506,7 +413,8 @@ def cmd_chat(args) -> int:
 # --- generate ---------------------------------------------------------------------------------
 
 
-def cmd_generate(args) -> int:
+def cmd_generate(args, arch=None) -> int:
+    """`arch`: as for cmd_chat."""
     from .generation import Sampling, generate
     from .hub import load_model
     from .tokenizer import load_tokenizer
@@ -515,7 +423,6 @@ def cmd_generate(args) -> int:
     import torch
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    arch = your_architecture(args)
     model = load_model(args.model, dtype, download=args.download, device=args.device, arch=arch)
     fill_defaults(args, model, max_new_tokens=256)
     tokenizer = load_tokenizer(args.model)
@@ -657,3 +564,10 @@ def tokenizer_problems(name: str, tokenizer) -> list[str]:
     if ids[-1:] != [family.special_ids["<|im_end|>"]]:
         problems.append("<|im_end|> in the text did not become its single id")
     return problems
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "download": cmd_download,
+            "doctor": cmd_doctor}  # fmt: skip
+
+if __name__ == "__main__":  # python -m qwen_mini.cli
+    sys.exit(main())

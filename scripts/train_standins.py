@@ -1,10 +1,10 @@
 """Train the stand-ins' weights: tiny models of the real architectures that write simple English.
 
 The stand-ins (`qwen_mini.standin.STANDINS`: 2 layers of width 64, Qwen3.5 4) keep their shapes;
-this script trains them on `qwen_mini/assets/data/kjv_narratives.txt`, narrative books of the
+this script trains them on `assets/data/kjv_narratives.txt`, narrative books of the
 King James Bible (public domain; from Debian's `bible-kjv-text` package, see `extract_corpus` and
 the README beside the text), with the real tokenizers, and writes per model
-`qwen_mini/assets/standins/<name>.safetensors` and `<name>.json` (the log: loss every
+`assets/standins/<name>.safetensors` and `<name>.json` (the log: loss every
 LOG_EVERY steps, the seed, the hashes of the text and of the token ids).
 
 The vocabulary trick. The embedding has 151,936 rows (Qwen3.5: 248,320) and the head is tied to
@@ -46,7 +46,7 @@ from qwen_mini.standin import _random_weights as random_weights
 from qwen_mini.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-CORPUS = ROOT / "qwen_mini" / "assets" / "data" / "kjv_narratives.txt"
+CORPUS = ROOT / "assets" / "data" / "kjv_narratives.txt"
 HELD_OUT = "Jonah"  # the book left out of training: the test's unseen text
 # the books of the corpus and their verse ranges, as `bible -f` reads them (all of each book)
 BOOKS = {

@@ -284,7 +284,7 @@ def test_a_notebook_with_answers_survives_the_build(tree, capsys):
     assert "Three small exercises" in other.read_text()  # the untouched one is regenerated
     assert "wrote course/ch98_other.ipynb" in out and "course/ch99_fixture.ipynb" not in out
     assert "not overwritten: course/ch99_fixture.ipynb" in err
-    assert "qwen-mini reset ch99" in err and "--force" in err
+    assert "qwen-mini-course reset ch99" in err and "--force" in err
 
     assert build.main(["--root", str(tree), "--check"]) == 1  # CI still sees it out of date
     out = capsys.readouterr().out

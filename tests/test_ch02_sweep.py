@@ -1,4 +1,4 @@
-"""The stored logit-growth sweep of chapter 2 (qwen_mini/assets/data/logit_growth_sweep.json) is
+"""The stored logit-growth sweep of chapter 2 (assets/data/logit_growth_sweep.json) is
 reproduced: the first steps of several runs are trained again, with the stored settings and fixed
 seeds on one CPU thread, and compared with the file. Constant learning rate, so the first n steps of
 a run do not depend on its length. Tolerances: the file keeps 5 significant digits; two runs of the

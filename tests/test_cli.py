@@ -1,4 +1,5 @@
-"""The `qwen-mini` command, called through `main(argv)`; everything runs on the stand-ins."""
+"""The `qwen-mini` command (the model's) and `qwen-mini-course` (the course's, which has the
+model's commands too), called through their `main(argv)`; everything runs on the stand-ins."""
 
 import io
 import json
@@ -15,6 +16,7 @@ import pytest
 from qwen_mini.cli import main
 from qwen_mini.course import build
 from qwen_mini.course import notebooks as nbs
+from qwen_mini.course.cli import main as course_main
 
 STANDIN = "Qwen/Qwen3-0.6B"
 
@@ -200,9 +202,9 @@ def test_grade_out_under_a_regular_file(capsys, tmp_path):
     root = Path(__file__).resolve().parents[1]
     notebook.write_text(nbs.dumps(build.learner_copy(root, notebook.name)))
     argv = ["grade", "--chapter", "0", "--out", str(blocker / "grades.csv"), str(notebook)]
-    assert main(argv) == 1
+    assert course_main(argv) == 1
     err = capsys.readouterr().err
-    assert err.startswith("qwen-mini grade: error:") and "Traceback" not in err
+    assert err.startswith("qwen-mini-course grade: error:") and "Traceback" not in err
     assert str(blocker) in err
 
 
@@ -252,10 +254,13 @@ def test_every_option_has_help():
     import argparse
 
     from qwen_mini.cli import build_parser
+    from qwen_mini.course.cli import build_parser as course_parser
+    from qwen_mini.course.export import build_parser as export_parser
     from qwen_mini.course.grading.cli import build_parser as grade_parser
 
     found = 0
-    for parser in [*_parsers(build_parser()), grade_parser()]:
+    parsers = [build_parser(), course_parser(), grade_parser(), export_parser()]
+    for parser in [p for top in parsers for p in _parsers(top)]:
         for action in parser._actions:
             if isinstance(action, argparse._HelpAction):
                 continue
@@ -270,8 +275,37 @@ def test_help_describes_the_package(capsys):
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     for family in ("Qwen3,", "Qwen3.5", "Qwen2.5", "Qwen3-MoE"):
         assert family in text
-    for command in ("generate", "chat", "download", "doctor", "reset", "grade"):
+    for command in ("generate", "chat", "download", "doctor", "qwen-mini-course"):
         assert command in text
+
+
+def test_the_course_command_has_the_models_commands_and_its_own(capsys):
+    assert course_main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for command in ("generate", "chat", "download", "doctor", "reset", "progress", "grade"):
+        assert f"{command} " in text
+    assert course_main(["generate", "--help"]) == 0
+    assert "--mine" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["reset", "ch03"], ["progress"], ["grade", "x.ipynb"], ["generate", STANDIN, "Hi", "--mine"]],
+)
+def test_the_models_command_points_to_the_course_for_the_courses(capsys, argv):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    named = "--mine" if "--mine" in argv else argv[0]
+    assert err.startswith(f"qwen-mini: error: {named} belongs to the course's command"), err
+    assert f"qwen-mini-course {' '.join(argv)}" in err and "qwen-mini[course]" in err
+
+
+@pytest.mark.parametrize("module", ["qwen_mini.cli", "qwen_mini.course.cli"])
+def test_python_dash_m_runs_the_command(module):
+    done = subprocess.run([sys.executable, "-m", module, "doctor", "--help"], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "--scan" in done.stdout
 
 
 def test_generate_on_the_cpu_device(capsys):

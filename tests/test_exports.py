@@ -1,7 +1,7 @@
-"""The nbgrader and Gradescope exports give the points and messages `qwen-mini grade` gives.
+"""The nbgrader and Gradescope exports give the points and messages `qwen-mini-course grade` gives.
 
 One chapter's solved, blank and partly solved notebooks (the partly solved one also has a wrong
-answer) are graded three ways: by `qwen-mini grade`, by nbgrader 0.9 (`generate_assignment`,
+answer) are graded three ways: by `qwen-mini-course grade`, by nbgrader 0.9 (`generate_assignment`,
 then `autograde`) on the exported course folder, and by the Gradescope bundle's `run_autograder`
 in a scratch root laid out like Gradescope's. The expected totals are derived here from which
 exercises each notebook answers, not read from any of the three.
@@ -22,9 +22,9 @@ import pytest
 from nbgrader.api import Gradebook  # nbgrader is in the dev extra
 
 import qwen_mini
-from qwen_mini.cli import main as cli
 from qwen_mini.course import checking
 from qwen_mini.course import notebooks as nbs
+from qwen_mini.course.cli import main as cli
 from qwen_mini.course.grading import main as grade
 
 # `pytest -n 2 --dist loadgroup` (the Makefile) runs this file in one worker: its module
@@ -116,7 +116,7 @@ def course(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def graded(course, tmp_path_factory):
-    """`qwen-mini grade` on the three submissions: {student: its JSON report}."""
+    """`qwen-mini-course grade` on the three submissions: {student: its JSON report}."""
     folder, _, subs = course
     out = tmp_path_factory.mktemp("grade")
     files = []
@@ -230,7 +230,7 @@ def test_gradescope_bundle_installs_the_cpu_torch_and_the_package(bundle):
         f'pip install "torch=={version}" --extra-index-url https://download.pytorch.org/whl/cpu'
         in setup
     )
-    assert "pip install -e /autograder/source/qwen-mini" in setup
+    assert 'pip install -e "/autograder/source/qwen-mini[course]"' in setup
     package = bundle / "qwen-mini"
     assert (package / "pyproject.toml").is_file() and (package / "qwen_mini" / "cli.py").is_file()
     assets = Path(qwen_mini.ASSETS).resolve().relative_to(ROOT)  # wherever the package keeps them

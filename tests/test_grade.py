@@ -1,8 +1,8 @@
 """The grader's red-team corpus: submissions of the fixture chapter 98 written to break it.
 
-One `qwen-mini grade` run grades every submission (starting the sandbox's zygote, which imports
-torch, is the slow part, so it happens once); each test reads that run's CSV and JSON reports and
-asserts a property an instructor relies on, whatever mechanism provides it:
+One `qwen-mini-course grade` run grades every submission (starting the sandbox's zygote, which
+imports torch, is the slow part, so it happens once); each test reads that run's CSV and JSON
+reports and asserts a property an instructor relies on, whatever mechanism provides it:
 
 1. one student cannot change another student's result;
 2. nothing in one notebook stops the run, and every input gets a row;

@@ -1,5 +1,5 @@
 """The sandbox's view of the machine (qwen_mini/course/grading/isolation.py), piece by piece; the
-red-team corpus of tests/test_grade.py checks it end to end through `qwen-mini grade`."""
+red-team corpus of tests/test_grade.py checks it end to end through `qwen-mini-course grade`."""
 
 import os
 import subprocess

@@ -1,5 +1,5 @@
 """The learner's own qwen_mini (qwen_mini/course/mine.py): exercises that pass in a notebook are
-kept as the learner's pieces, `qwen-mini progress` says whose each exercise is, and
+kept as the learner's pieces, `qwen-mini-course progress` says whose each exercise is, and
 `generate` / `chat --mine` run a model built from those pieces.
 
 A learner is played by IPython itself (the shell a Jupyter kernel runs, in a child process):
@@ -21,8 +21,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from qwen_mini.cli import main
 from qwen_mini.course import checking, mine
+from qwen_mini.course.cli import main
 
 pytestmark = pytest.mark.xdist_group("test_mine")  # the learner fixture runs once
 

@@ -1,9 +1,9 @@
 """A learner's way through the course, as in JupyterLab: each chapter's learner notebook, with
 the answers filled in from solutions/, runs every cell in a kernel of its own (one chapter, one
 kernel, as a learner who opens the notebooks one by one), in the learner's mode. Every passed
-exercise is then the learner's piece in `qwen-mini progress`, in a later process, and `generate
---mine` built from those pieces gives the package's tokens on both families; a bfloat16 model
-built from them stays bfloat16 and gives the package's bfloat16 logits.
+exercise is then the learner's piece in `qwen-mini-course progress`, in a later process, and
+`generate --mine` built from those pieces gives the package's tokens on both families; a
+bfloat16 model built from them stays bfloat16 and gives the package's bfloat16 logits.
 
 Pieces chain across kernels here: chapter 1's Attention calls the apply_rope that chapter 1's
 kernel loaded from the learner's chapter-0 piece, which calls their rotate_half.
@@ -21,10 +21,10 @@ import torch
 from nbclient import NotebookClient
 
 from qwen_mini import load_model
-from qwen_mini.cli import main
 from qwen_mini.course import checking, mine
 from qwen_mini.course import notebooks as nbs
 from qwen_mini.course.build import learner_notebook
+from qwen_mini.course.cli import main
 
 # one worker runs the whole file under `make test` (pytest-xdist): the module fixture runs the
 # course once, several minutes

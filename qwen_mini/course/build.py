@@ -16,7 +16,8 @@ one module, in the order of their names). Each module is then sorted and formatt
 A learner's work is never overwritten: each learner copy records a digest of its cells in its
 metadata, and a `course/` notebook whose cells no longer match it (answers, outputs, added cells)
 or that has none (a notebook the build did not write) is left as it is; the build says so and
-exits 1 (`qwen-mini reset chNN` starts a chapter over, keeping a backup; `--force` overwrites).
+exits 1 (`qwen-mini-course reset chNN` starts a chapter over, keeping a backup; `--force`
+overwrites).
 """
 
 from __future__ import annotations
@@ -542,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"not overwritten: {rel(path)} has changes of its own (answers, outputs or cells "
             f"written since it was generated), so it was left as it is. To start it over from "
-            f"the fresh copy, keeping yours as a backup: qwen-mini reset {chapter_label(path.name)}"
+            f"the fresh copy, keeping yours as a backup: qwen-mini-course reset "
+            f"{chapter_label(path.name)}"
             f"; to overwrite it: python -m qwen_mini.course.build --force",
             file=sys.stderr,
         )

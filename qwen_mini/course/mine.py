@@ -1,5 +1,5 @@
 """Your own qwen_mini: every exercise that passes its public checks in your notebook is kept as
-your piece, and later chapters, `qwen-mini progress` and `--mine` build on your pieces.
+your piece, and later chapters, `qwen-mini-course progress` and `--mine` build on your pieces.
 
     from qwen_mini.course.mine import mine
     Attention = mine("ch01.Attention")  # your kept one if it still passes, else the package's

@@ -1,6 +1,6 @@
 """The learner's workspace: the notebooks in `course/` of a clone, and starting one over.
 
-    qwen-mini reset ch03        (or 3, ch03_moe, ch03_moe.ipynb, course/ch03_moe.ipynb)
+    qwen-mini-course reset ch03        (or 3, ch03_moe, ch03_moe.ipynb, course/ch03_moe.ipynb)
 
 The fresh copy is made from `solutions/` by the build's `learner_notebook`, exactly as
 `python -m qwen_mini.course.build` writes it: both folders are in every clone, and the copy

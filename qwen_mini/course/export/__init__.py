@@ -1,11 +1,11 @@
 """Grading where universities already grade: a chapter exported to nbgrader or Gradescope.
 
-    qwen-mini export nbgrader --chapter 1 course-folder/
-    qwen-mini export gradescope --chapter 1 ch01-autograder.zip
+    qwen-mini-course export nbgrader --chapter 1 course-folder/
+    qwen-mini-course export gradescope --chapter 1 ch01-autograder.zip
 
 Both run the chapter's own checks (`qwen_mini/course/checks/chNN.py`) and award each exercise
-the points `qwen-mini grade` awards: nbgrader in test cells that call them (`nbgrader.py`),
-Gradescope by running `qwen-mini grade` itself in its container (`gradescope.py`).
+the points `qwen-mini-course grade` awards: nbgrader in test cells that call them (`nbgrader.py`),
+Gradescope by running `qwen-mini-course grade` itself in its container (`gradescope.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..notebooks import NotebookError
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="qwen-mini export",
+        prog="qwen-mini-course export",
         description=__doc__.split("\n\n")[0],
         epilog="README.md, 'For instructors', says what each export guarantees.",
     )
@@ -63,13 +63,13 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.zip.suffix != ".zip":
                 print(
-                    f"qwen-mini export: error: {args.zip}: name the bundle FILE.zip",
+                    f"qwen-mini-course export: error: {args.zip}: name the bundle FILE.zip",
                     file=sys.stderr,
                 )
                 return 2
             names = write_bundle(args.chapter, args.zip, args.solutions)
             print(f"wrote {args.zip} ({len(names)} files): upload it as the autograder")
     except (GraderError, NotebookError, OSError) as e:
-        print(f"qwen-mini export: error: {e}", file=sys.stderr)
+        print(f"qwen-mini-course export: error: {e}", file=sys.stderr)
         return 1
     return 0

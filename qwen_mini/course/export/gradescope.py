@@ -1,6 +1,6 @@
 """A chapter as a Gradescope autograder bundle, and what its `run_autograder` runs.
 
-    qwen-mini export gradescope --chapter 1 ch01-autograder.zip
+    qwen-mini-course export gradescope --chapter 1 ch01-autograder.zip
 
 The zip holds Gradescope's two entry points and what they need:
 
@@ -8,8 +8,9 @@ The zip holds Gradescope's two entry points and what they need:
   of torch (the version this bundle was written with) and this package, installed from
 - `qwen-mini/`: the package, its assets and the chapter's solution notebook (the reference);
 - `run_autograder`: run once per submission, in a fresh container: grades the notebook in
-  `/autograder/submission/` with `qwen-mini grade` and writes `/autograder/results/results.json`
-  in Gradescope's format, one test per exercise with its points and the grader's message.
+  `/autograder/submission/` with `qwen-mini-course grade` and writes
+  `/autograder/results/results.json` in Gradescope's format, one test per exercise with its
+  points and the grader's message.
 
 `QWEN_MINI_AUTOGRADER_ROOT` replaces `/autograder` (and `QWEN_MINI_AUTOGRADER_PYTHON` the
 environment's Python), so the same script runs in a scratch folder in the tests.
@@ -40,7 +41,7 @@ apt-get install -y python3 python3-venv python3-pip
 python3 -m venv /autograder/venv
 # The CPU build of torch: PyPI's default wheel on Linux is the multi-GB CUDA build.
 /autograder/venv/bin/pip install "torch=={torch}" --extra-index-url {wheels}
-/autograder/venv/bin/pip install -e /autograder/source/{package}
+/autograder/venv/bin/pip install -e "/autograder/source/{package}[course]"
 """
 
 RUN = """#!/usr/bin/env bash
@@ -127,7 +128,7 @@ def find_notebook(folder: Path, expected: str) -> tuple[Path | None, str]:
 
 
 def results(report: dict, titles: dict[str, str], output: str = "") -> dict:
-    """Gradescope's results.json from a `qwen-mini grade` report: one test per exercise."""
+    """Gradescope's results.json from a `qwen-mini-course grade` report: one test per exercise."""
     tests = []
     for exercise_id, entry in report["exercises"].items():
         title = titles.get(exercise_id, "")

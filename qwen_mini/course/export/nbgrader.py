@@ -1,6 +1,6 @@
 """A chapter as an nbgrader course folder, and the function its autograder test cells call.
 
-    qwen-mini export nbgrader --chapter 1 course-folder/
+    qwen-mini-course export nbgrader --chapter 1 course-folder/
 
 writes `course-folder/nbgrader_config.py` and `course-folder/source/<assignment>/<notebook>.ipynb`:
 the chapter's solution notebook with nbgrader's metadata on every cell that holds a solution
@@ -13,10 +13,10 @@ that checks each exercise, an autograder test cell worth the exercise's points:
     ### END HIDDEN TESTS
 
 `autograde` runs the chapter's own checks (`qwen_mini/course/checks/chNN.py`, the ones
-`qwen-mini grade` runs) on the learner's object and, while nbgrader validates or autogrades,
-raises with the message `qwen-mini grade` would give, so nbgrader awards the cell's points exactly
-when `qwen-mini grade` would. In a learner's own session it prints that line and never raises, so
-Run All keeps going, as with `check(...)`.
+`qwen-mini-course grade` runs) on the learner's object and, while nbgrader validates or
+autogrades, raises with the message `qwen-mini-course grade` would give, so nbgrader awards the
+cell's points exactly when `qwen-mini-course grade` would. In a learner's own session it prints
+that line and never raises, so Run All keeps going, as with `check(...)`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ SCHEMA_VERSION = 3  # nbgrader 0.9's cell metadata
 # nbgrader sets this while it runs a notebook: "validate" or "autograde"
 EXECUTION_ENV = "NBGRADER_EXECUTION"
 
-CONFIG = '''"""nbgrader settings for qwen-mini chapter {chapter} (`qwen-mini export nbgrader`).
+CONFIG = '''"""nbgrader settings for qwen-mini chapter {chapter}
+(`qwen-mini-course export nbgrader`).
 
 Run nbgrader from this folder:  nbgrader generate_assignment {assignment}
                                 nbgrader autograde {assignment}
@@ -68,7 +69,7 @@ def autograder_source(exercise_id: str, name: str) -> str:
     call = f'autograde("{exercise_id}", "{name}", globals()'
     return "\n".join(
         [
-            f"# Autograder test for {exercise_id}: the checks `qwen-mini grade` runs.",
+            f"# Autograder test for {exercise_id}: the checks `qwen-mini-course grade` runs.",
             "from qwen_mini.course.export.nbgrader import autograde",
             "",
             call + ")",
@@ -149,7 +150,8 @@ def write_course(
 
 
 def grading_message(result: checking.Result, entry: checking.Exercise) -> str:
-    """The message `qwen-mini grade` gives for `result` (hidden checks by their name only)."""
+    """The message `qwen-mini-course grade` gives for `result` (hidden checks by their name
+    only)."""
     if result.status == "not-implemented":
         return "not implemented yet"
     if result.ok:
@@ -173,7 +175,7 @@ class ExerciseFailed(AssertionError):
 def autograde(exercise_id: str, name: str, namespace: dict, hidden: bool = False) -> bool:
     """Check `namespace[name]` with the exercise's public checks (and, with `hidden`, its hidden
     ones). While nbgrader runs the notebook a failure raises ExerciseFailed and, as in
-    `qwen-mini grade`, puts the package's piece in its place for the exercises after it;
+    `qwen-mini-course grade`, puts the package's piece in its place for the exercises after it;
     otherwise it only prints the result."""
     entry = checking.get(exercise_id)
     grading = bool(os.environ.get(EXECUTION_ENV))

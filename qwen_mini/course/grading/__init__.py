@@ -1,4 +1,4 @@
-"""Grade a chapter's exercises in submitted notebooks (`qwen-mini grade`).
+"""Grade a chapter's exercises in submitted notebooks (`qwen-mini-course grade`).
 
 Split by concern:
 

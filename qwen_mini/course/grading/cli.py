@@ -1,6 +1,6 @@
 """Grade a chapter's exercises in submitted notebooks.
 
-    qwen-mini grade --chapter 1 --out grades.csv submissions/*.ipynb
+    qwen-mini-course grade --chapter 1 --out grades.csv submissions/*.ipynb
 
 Each submission runs in a sandboxed process of its own, as Jupyter would run it: every code cell
 in order (magics and shell commands skipped with a note), each with a time limit, the notebook
@@ -62,7 +62,7 @@ def submissions(paths: list[Path]) -> tuple[list[Path], list[Path]]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="qwen-mini grade",
+        prog="qwen-mini-course grade",
         description="\n\n".join(__doc__.split("\n\n")[:4]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -120,11 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _grade_all(options)
     except (GraderError, NotebookError) as e:
-        print(f"qwen-mini grade: error: {e}", file=sys.stderr)
+        print(f"qwen-mini-course grade: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # e.g. --out under a regular file, a full disk, no permission
         where = f"{display_name(Path(str(e.filename)))}: " if e.filename else ""
-        print(f"qwen-mini grade: error: {where}{e.strerror or e}", file=sys.stderr)
+        print(f"qwen-mini-course grade: error: {where}{e.strerror or e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(file=sys.stderr)

@@ -124,7 +124,7 @@ def tiny_model(cfg: Config, arch: Architecture, seed: int = 0) -> CausalLM:
 
 def load_corpus() -> torch.Tensor:
     """The training text as byte ids [N]: Python source from CPython's standard library (PSF
-    licence, see qwen_mini/assets/data/README.md)."""
+    licence, see assets/data/README.md)."""
     raw = (ASSETS / "data" / "python_stdlib_sample.txt").read_bytes()
     return torch.tensor(list(raw), dtype=torch.long)
 
