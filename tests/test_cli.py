@@ -4,6 +4,7 @@ model's commands too), called through their `main(argv)`; everything runs on the
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,7 +105,7 @@ def test_grade_gets_the_rest_of_the_arguments(monkeypatch):
     monkeypatch.setitem(
         sys.modules, "qwen_mini.course.grading.cli", types.SimpleNamespace(main=fake_cli)
     )
-    assert main(["grade", "submissions/", "--chapter", "1", "--help"]) == 7
+    assert course_main(["grade", "submissions/", "--chapter", "1", "--help"]) == 7
     assert seen["argv"] == ["submissions/", "--chapter", "1", "--help"]
 
 
@@ -114,16 +115,26 @@ def test_help_and_usage_errors_return_codes(capsys):
     assert main(["generate"]) == 2  # PROMPT missing: argparse's usage message
 
 
-def test_bare_command_lists_the_commands(capsys, monkeypatch):
+@pytest.mark.parametrize(
+    "command, prog, commands",
+    [
+        (main, "qwen-mini", ("generate", "chat", "download", "doctor")),
+        (course_main, "qwen-mini-course",
+         ("generate", "chat", "download", "doctor", "reset", "progress", "grade", "export")),
+    ],
+)  # fmt: skip
+def test_bare_command_lists_the_commands(capsys, monkeypatch, command, prog, commands):
     """`qwen-mini` alone prints the whole help, every command with its line, and exits 2 (no
-    command given is a usage error, as for argparse's own)."""
+    command given is a usage error, as for argparse's own); so does `qwen-mini-course`."""
     monkeypatch.setenv("COLUMNS", "100")  # argparse wraps the help lines at the terminal's width
-    assert main([]) == 2
+    assert command([]) == 2
     out = capsys.readouterr().out
-    assert out.startswith("usage: qwen-mini")
-    for command in ("generate", "chat", "download", "doctor", "reset", "progress", "grade"):
-        assert f"\n    {command} " in out, (command, out)
+    assert out.startswith(f"usage: {prog} ")
+    for name in commands:
+        assert f"\n    {name} " in out, (name, out)
     assert "multi-turn chat in the terminal" in out  # each command's help line, not only names
+    listed = set(re.findall(r"^    (\w+) ", out, re.M))
+    assert listed == set(commands), listed
 
 
 def test_download_fetches_once_then_finds_it_locally(monkeypatch, tmp_path, capsys):

@@ -24,7 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         epilog="README.md, 'For instructors', says what each export guarantees.",
     )
-    sub = p.add_subparsers(dest="target", required=True, metavar="TARGET")
+    sub = p.add_subparsers(
+        dest="target", required=True, metavar="TARGET", help="what to write (TARGET --help)"
+    )
     nbg = sub.add_parser("nbgrader", help="an nbgrader course folder (source/ and its config)")
     nbg.add_argument("folder", type=Path, metavar="DIR", help="the course folder to write into")
     gs = sub.add_parser("gradescope", help="a Gradescope autograder zip")
