@@ -44,7 +44,7 @@ def deltanet_shape(hidden: int, heads: int, head_dim: int) -> SimpleNamespace:
     )
 
 
-# --- sections 2 and 3: the two forms on random inputs, and their timing -------------------------
+# --- sections 2 and 3: the two forms on random inputs, and their timing ---------------------------
 
 
 def random_inputs(T, H_k=2, ratio=2, d_k=32, d_v=16, seed=0):
@@ -100,7 +100,7 @@ def time_forms(recurrent, chunk, random_inputs, lengths) -> tuple[list, list, tu
     return t_rec, t_chunk, inputs[:5]
 
 
-# --- section 5: the memory a sequence keeps -----------------------------------------------------
+# --- section 5: the memory a sequence keeps -------------------------------------------------------
 
 
 def plot_cache_sizes(lengths: list, mib_dense: list, mib_hybrid: list) -> None:
@@ -113,7 +113,7 @@ def plot_cache_sizes(lengths: list, mib_dense: list, mib_hybrid: list) -> None:
     plt.ylabel("MiB per sequence"), plt.legend(fontsize=7), plt.show()
 
 
-# --- section 6: what the decay learns -----------------------------------------------------------
+# --- section 6: what the decay learns -------------------------------------------------------------
 
 # Segments, each opened by SEP, hold 3 key-value pairs and then 2 queries. The answer to a query
 # is the key's value in this segment, or NONE if the key is not in it. Keys come back in later

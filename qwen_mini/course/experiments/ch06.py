@@ -25,7 +25,7 @@ from qwen_mini.config import Config
 from qwen_mini.rope import apply_partial_rope
 from qwen_mini.rope_scaling import rotary_cos_sin
 
-# --- section 1: router sparsity, counted on the meta device -------------------------------------
+# --- section 1: router sparsity, counted on the meta device ---------------------------------------
 
 
 def moe_counts(path: Path) -> dict:
@@ -81,7 +81,7 @@ def print_sparsity(counts: dict) -> None:
               f" {with_embedding / 1e9:9.2f}B {with_embedding / c['total']:6.2%}")  # fmt: skip
 
 
-# --- section 2: the fused projections -----------------------------------------------------------
+# --- section 2: the fused projections -------------------------------------------------------------
 
 
 def copy_permuted(plain: nn.Module, fused: nn.Module, order: torch.Tensor) -> None:
@@ -99,7 +99,7 @@ def copy_permuted(plain: nn.Module, fused: nn.Module, order: torch.Tensor) -> No
         fused.in_proj_ba.weight.copy_(stacked[order[qkvz_rows:]])
 
 
-# --- section 4.1: which positions a query reads -------------------------------------------------
+# --- section 4.1: which positions a query reads ---------------------------------------------------
 
 
 def plot_kept(keep: torch.Tensor, top: int, ratio: int) -> None:
@@ -111,7 +111,7 @@ def plot_kept(keep: torch.Tensor, top: int, ratio: int) -> None:
     plt.show()
 
 
-# --- section 4.1: the cost of a decoding step ---------------------------------------------------
+# --- section 4.1: the cost of a decoding step -----------------------------------------------------
 
 
 def decode_step_seconds(attention: nn.Module, cfg: Config, context: int) -> float:
@@ -171,7 +171,7 @@ def plot_decode_times(times: dict, contexts: list, budget: int) -> None:
     plt.show()
 
 
-# --- section 4.1: what is lost when the needed token is not kept --------------------------------
+# --- section 4.1: what is lost when the needed token is not kept ----------------------------------
 
 
 N_KEYS, N_VALUES = 64, 16  # a pair token is key * N_VALUES + value; query tokens come after
@@ -318,7 +318,7 @@ def print_and_plot_retrieval(results: dict, budgets: list) -> None:
     plt.legend(fontsize=7), plt.show()
 
 
-# --- section 5: the tiny checkpoints of the four new model types --------------------------------
+# --- section 5: the tiny checkpoints of the four new model types ----------------------------------
 
 
 # tiny configs of the four new model types: grouped KV heads, 3 DeltaNet : 1 attention layers,
