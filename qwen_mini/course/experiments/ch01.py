@@ -7,18 +7,20 @@ the learner's where they pass their checks)."""
 
 from __future__ import annotations
 
+import json
 import math
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from qwen_mini import ASSETS
+from qwen_mini import ASSETS, config_from_file
 from qwen_mini.checkpoint import checkpoint_name, without_init
 from qwen_mini.model import CausalLM
 
@@ -151,6 +153,37 @@ def decode_time(layer, cfg, kv_cache_class, angles, use_cache: bool, n: int = 64
             else:  # the whole prefix again
                 layer(x[:, : t + 1], *angles(0, t + 1))
     return time.perf_counter() - t0
+
+
+# --- section 7: KV bytes per token ---------------------------------------------------------------
+
+
+def kv_shapes(published: dict) -> tuple[dict, int, int, int]:
+    """The shapes kv_bytes_per_token reads (layers with a KV cache, KV heads, head_dim): those of
+    `published` {name: (layers, KV heads, head_dim)}, and those read from the shipped config
+    files of Qwen3-0.6B, Qwen2.5-0.5B and Qwen3.5-0.8B (its full-attention layers only; its text
+    model's fields sit under "text_config"). Also (Qwen3.5-0.8B's full layers, its DeltaNet
+    layers, the bytes of one DeltaNet layer's state in float32)."""
+
+    def shape(layers, kv_heads, head_dim):
+        return SimpleNamespace(
+            num_hidden_layers=layers, num_key_value_heads=kv_heads, head_dim=head_dim
+        )
+
+    configs = ASSETS / "configs"
+    shapes = {name: shape(*s) for name, s in published.items()}
+    shapes["Qwen3-0.6B"] = config_from_file(configs / "qwen3-0.6b" / "config.json")
+    shapes["Qwen2.5-0.5B"] = config_from_file(configs / "qwen2.5-0.5b" / "config.json")
+    text = json.loads((configs / "qwen3.5-0.8b" / "config.json").read_text())["text_config"]
+    n_full = text["layer_types"].count("full_attention")
+    n_linear = text["layer_types"].count("linear_attention")
+    shapes["Qwen3.5-0.8B (6 full layers)"] = shape(
+        n_full, text["num_key_value_heads"], text["head_dim"]
+    )
+    heads, d_k, d_v = (
+        text[f] for f in ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+    )
+    return shapes, n_full, n_linear, heads * d_k * d_v * 4  # float32
 
 
 # --- section 9: the whole model on your code ------------------------------------------------------
