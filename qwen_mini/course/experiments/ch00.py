@@ -14,6 +14,8 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 
+from qwen_mini.course.experiments import one_thread
+
 # --- section 3: RMSNorm in bfloat16 ---------------------------------------------------------------
 
 
@@ -158,9 +160,7 @@ def train_zero_layer(
         with torch.no_grad():
             return (logits().argmax(-1) == every).float().mean().item()
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 256 x 32 matrices: more threads would cost more than they save
-    try:
+    with one_thread():  # 256 x 32 matrices: more threads would cost more than they save
         history = {"step": [0], "self": [self_rate()], "loss": []}
         for step in range(1, steps + 1):
             loss = -(bigrams * logits().log_softmax(-1)).sum() / bigrams.sum()
@@ -173,8 +173,6 @@ def train_zero_layer(
                 history["self"].append(self_rate())
         with torch.no_grad():
             history["probs"] = logits().softmax(-1)
-    finally:
-        torch.set_num_threads(threads)
     history["norm_weight"] = norm.weight.detach().clone()
     return history
 

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from qwen_mini import ASSETS, config_from_file
 from qwen_mini.checkpoint import checkpoint_name, without_init
+from qwen_mini.course.experiments import one_thread
 from qwen_mini.model import CausalLM
 
 KiB, MiB = 1024, 1024**2
@@ -92,17 +93,6 @@ def plot_head_maps(maps: torch.Tensor, n_rep: int = 2) -> None:
     axes[0].set_ylabel("query position")
     plt.tight_layout()
     plt.show()
-
-
-def one_thread(run):
-    """Run `run()` on one thread and restore the count: matrices this small multiply faster on
-    one thread than split in two that wait for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return run()
-    finally:
-        torch.set_num_threads(threads)
 
 
 # --- section 4: which KV head each query head reads -----------------------------------------------
@@ -259,7 +249,8 @@ def train_copy(model, steps: int = 80, N: int = 8, seed: int = 1) -> float:
     g = torch.Generator().manual_seed(seed)
     V = model.config.vocab_size
 
-    def run():
+    t0 = time.perf_counter()
+    with one_thread():
         for _ in range(steps):
             ids_b = copy_batch(32, g, V, N)
             logits = model(ids_b[:, :-1])
@@ -267,9 +258,6 @@ def train_copy(model, steps: int = 80, N: int = 8, seed: int = 1) -> float:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-
-    t0 = time.perf_counter()
-    one_thread(run)
     return time.perf_counter() - t0
 
 
@@ -314,17 +302,15 @@ def train_bytes(model, text: torch.Tensor, length: int, steps: int = 200) -> flo
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0)
 
-    def run():
+    t0 = time.perf_counter()
+    with one_thread():
         for _ in range(steps):
             ids = windows(text, 16, length, g)
             loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-        return loss.item()
-
-    t0 = time.perf_counter()
-    loss = one_thread(run)
+    loss = loss.item()
     seconds = time.perf_counter() - t0
     print(f"{steps} steps at {length} tokens in {seconds:.0f} s, last loss {loss:.2f}")
     return loss

@@ -16,18 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwen_mini.checkpoint import without_init
+from qwen_mini.course.experiments import one_thread
 from qwen_mini.model import CausalLM
-
-
-def one_thread(run):
-    """Run `run()` on one thread and restore the count: matrices this small gain nothing from a
-    second thread, and on a busy machine threads that wait for each other can cost 10x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return run()
-    finally:
-        torch.set_num_threads(threads)
 
 
 def call_times(f, *args, repeat=5) -> list[float]:
@@ -114,7 +104,7 @@ def train_router(task, balance: str, route, dispatch, micro_loss, global_loss,
     layer = nn.ModuleList(nn.Linear(H, H, bias=False) for _ in range(experts))
     opt = torch.optim.Adam([*router.parameters(), *layer.parameters()], lr=1e-2)
 
-    def run():
+    with one_thread():
         for _ in range(steps):
             loss, micro = 0.0, []
             for d in range(task.n):  # one micro-batch per domain
@@ -130,8 +120,6 @@ def train_router(task, balance: str, route, dispatch, micro_loss, global_loss,
             opt.zero_grad()
             (loss + alpha * aux).backward()
             opt.step()
-
-    one_thread(run)
     usage, mse = torch.zeros(task.n, experts), 0.0
     with torch.no_grad():
         for d in range(task.n):
@@ -226,7 +214,8 @@ def train_bytes(model, train_data: torch.Tensor, steps: int = 150) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
     g_data = torch.Generator().manual_seed(0)
 
-    def run():
+    start = time.perf_counter()
+    with one_thread():
         for _ in range(steps):
             at = torch.randint(len(train_data) - 65, (16,), generator=g_data)
             x = torch.stack([train_data[i : i + 64] for i in at])
@@ -235,9 +224,6 @@ def train_bytes(model, train_data: torch.Tensor, steps: int = 150) -> float:
             opt.zero_grad()
             loss.backward()
             opt.step()
-
-    start = time.perf_counter()
-    one_thread(run)
     model.eval()
     return time.perf_counter() - start
 
@@ -252,16 +238,14 @@ def split_sweep(model, split_ffn, ks: list, num_experts: int, loss) -> dict:
     """{choose: [loss(the model with every FFN split into num_experts, k of them per token)
     for k in ks]} for the experts chosen by activations and at random, one thread."""
 
-    def run():
-        sweep = {}
+    sweep = {}
+    with one_thread():
         for choose in ("activations", "random"):
             sweep[choose] = [
                 loss(with_ffns(model, lambda mlp, k=k, c=choose: split_ffn(mlp, num_experts, k, c)))
                 for k in ks
             ]
-        return sweep
-
-    return one_thread(run)
+    return sweep
 
 
 def plot_sweep(sweep: dict, ks: list, num_experts: int, dense: float, no_ffn: float) -> None:

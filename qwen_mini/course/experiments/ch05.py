@@ -18,17 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwen_mini.attention import attention, causal_mask, merge_heads, split_heads
-
-
-def one_thread(run):
-    """Run `run()` on one thread and restore the count: matrices this small gain nothing from a
-    second thread, and on a busy machine threads that wait for each other can cost 10x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return run()
-    finally:
-        torch.set_num_threads(threads)
+from qwen_mini.course.experiments import one_thread
 
 
 def deltanet_shape(hidden: int, heads: int, head_dim: int) -> SimpleNamespace:
@@ -164,15 +154,13 @@ def train_segments(model: TinyDeltaNetLM, steps: int = 150) -> float:
     core). Returns the last loss."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    def run():
+    start, cpu_start = time.perf_counter(), time.process_time()
+    with one_thread():
         for _ in range(steps):
             ids, targets = segment_batch(16)
             loss = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
             optimizer.zero_grad(), loss.backward(), optimizer.step()
-        return loss.item()
-
-    start, cpu_start = time.perf_counter(), time.process_time()
-    loss = one_thread(run)
+    loss = loss.item()
     print(
         f"{steps} steps in {time.perf_counter() - start:.0f} s "
         f"({time.process_time() - cpu_start:.0f} s of processor time), last loss {loss:.3f}"
@@ -321,15 +309,13 @@ def train_recall(model_class, layer_types, steps=400, seed=0):
     model, generator = model_class(layer_types), torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    def run():
+    start = time.process_time()
+    with one_thread():
         for _ in range(steps):
             P = int(torch.randint(2, 17, (1,), generator=generator))
             keys, values, queries, answers = recall_batch(32, P, generator)
             loss = F.cross_entropy(model(keys, values, queries).flatten(0, 1), answers.flatten())
             optimizer.zero_grad(), loss.backward(), optimizer.step()
-
-    start = time.process_time()
-    one_thread(run)
     seconds = time.process_time() - start
     print(f"{' + '.join(layer_types)}: {steps} steps in {seconds:.0f} s of processor time")
     return model

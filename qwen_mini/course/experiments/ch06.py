@@ -22,6 +22,7 @@ from torch import nn
 import qwen_mini
 from qwen_mini.checkpoint import meta_model
 from qwen_mini.config import Config
+from qwen_mini.course.experiments import one_thread
 from qwen_mini.rope import apply_partial_rope
 from qwen_mini.rope_scaling import rotary_cos_sin
 
@@ -144,15 +145,11 @@ def time_decode_steps(layers: dict, cfg: Config, contexts: list, repeats: int = 
     (on a shared machine, waiting threads add noise), the layers alternating so that both see
     the same machine."""
     times = {name: {n: [] for n in contexts} for name in layers}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         for n in contexts:
             for _ in range(repeats):
                 for name, layer in layers.items():
                     times[name][n].append(decode_step_seconds(layer, cfg, n))
-    finally:
-        torch.set_num_threads(threads)
     return times
 
 
@@ -283,17 +280,13 @@ def accuracy_by_budget(retriever, held_out, budgets: list, indexers: dict) -> di
     """{label: [retrieval_accuracy at each budget]} with each of the indexer's weights in
     `indexers` loaded in turn, on one thread; the first weights are loaded back at the end."""
     results = {}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # matrices this small gain nothing from a second thread
-    try:
+    with one_thread():
         for label, weights in indexers.items():
             retriever.attn.indexer.load_state_dict(weights)
             results[label] = [
                 retrieval_accuracy(retriever, *held_out, top_blocks=b) for b in budgets
             ]
         retriever.attn.indexer.load_state_dict(next(iter(indexers.values())))
-    finally:
-        torch.set_num_threads(threads)
     return results
 
 
@@ -405,30 +398,25 @@ def against_package(
     import tempfile
 
     diffs = {}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: a second thread only adds waiting
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            for model_type, row in rows.items():
-                folder = Path(tmp) / model_type
-                write_tiny_checkpoint(folder, model_type)
-                mine_model = qwen_mini.load_model(folder, dtype=torch.float32, arch=row)
-                package = qwen_mini.load_model(folder, dtype=torch.float32)
-                with torch.inference_mode():
-                    want = package(ids)
-                    whole = mine_model(ids)
-                    cache, outs, start = mine_model.new_cache(1), [], 0
-                    for n in pieces:
-                        outs.append(mine_model(ids[:, start : start + n], cache=cache))
-                        start += n
-                    in_pieces = torch.cat(outs, 1)
-                d = diffs[model_type] = (
-                    (whole - want).abs().max().item(),
-                    (in_pieces - want).abs().max().item(),
-                )
-                print(f"{model_type:17s} max |logit diff| vs the package: whole prompt "
+    with one_thread(), tempfile.TemporaryDirectory() as tmp:
+        for model_type, row in rows.items():
+            folder = Path(tmp) / model_type
+            write_tiny_checkpoint(folder, model_type)
+            mine_model = qwen_mini.load_model(folder, dtype=torch.float32, arch=row)
+            package = qwen_mini.load_model(folder, dtype=torch.float32)
+            with torch.inference_mode():
+                want = package(ids)
+                whole = mine_model(ids)
+                cache, outs, start = mine_model.new_cache(1), [], 0
+                for n in pieces:
+                    outs.append(mine_model(ids[:, start : start + n], cache=cache))
+                    start += n
+                in_pieces = torch.cat(outs, 1)
+            d = diffs[model_type] = (
+                (whole - want).abs().max().item(),
+                (in_pieces - want).abs().max().item(),
+            )
+            print(f"{model_type:17s} max |logit diff| vs the package: whole prompt "
                       f"{d[0]:.1e}, in pieces {d[1]:.1e}"
                       f"  (logits up to {want.abs().max().item():.1f})")  # fmt: skip
-    finally:
-        torch.set_num_threads(threads)
     return diffs, mine_model
