@@ -12,7 +12,8 @@ from qwen_mini import attention as ref
 from qwen_mini import decoder as dec
 from qwen_mini import moe
 from qwen_mini.course import variants
-from qwen_mini.course.checking import case, exercises, get, register, run_checks
+from qwen_mini.course.checking import exercises, get, register, run_checks
+from qwen_mini.course.variants import case
 from qwen_mini.mlp import MLP
 
 

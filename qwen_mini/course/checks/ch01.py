@@ -29,7 +29,6 @@ from qwen_mini.checkpoint import meta_model
 from qwen_mini.config import Config, RopeScaling
 from qwen_mini.course.checking import (
     between,
-    case,
     expect_close,
     mistake,
     randn,
@@ -39,7 +38,7 @@ from qwen_mini.course.checking import (
 from qwen_mini.course.fakes.ch01 import Recorder, SpyCache, Watched
 from qwen_mini.course.lab import ch01 as lab
 from qwen_mini.course.observing import graded, observe
-from qwen_mini.course.variants import backward, bfloat16, lazy, meta
+from qwen_mini.course.variants import backward, bfloat16, case, lazy, meta
 from qwen_mini.model import CausalLM
 from qwen_mini.norms import RMSNorm
 from qwen_mini.rope import apply_rope, rope_cos_sin
