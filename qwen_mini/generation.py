@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from .decoder import decode
+from .decoding import decode
 from .sampling import (
     Sampling,
     apply_presence_penalty,
