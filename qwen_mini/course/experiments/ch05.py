@@ -19,6 +19,7 @@ from torch import nn
 
 from qwen_mini.attention import attention, causal_mask, merge_heads, split_heads
 from qwen_mini.course.experiments import one_thread
+from qwen_mini.course.lab.ch05 import log_decay
 
 
 def deltanet_shape(hidden: int, heads: int, head_dim: int) -> SimpleNamespace:
@@ -144,7 +145,7 @@ class TinyDeltaNetLM(nn.Module):
 def decay_at(model: TinyDeltaNetLM, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean exp(g) per head [H] at SEP and at every other token."""
     with torch.no_grad():
-        kept = model.linear_attn.log_decay(model.embed(ids)).exp()
+        kept = log_decay(model.linear_attn, model.embed(ids)).exp()
     return kept[ids == SEP].mean(0), kept[ids != SEP].mean(0)
 
 
@@ -209,7 +210,7 @@ def plot_decay_memory(model: TinyDeltaNetLM, ids: torch.Tensor, decay_mask) -> N
     """Per head, what is left at t of what was written at s: exp(G_t - G_s), from the trained
     decays on `ids` [1, T] (by the notebook's `decay_mask`), with the SEP tokens dashed."""
     with torch.no_grad():
-        g = model.linear_attn.log_decay(model.embed(ids))[0].T.double()  # [H, T]
+        g = log_decay(model.linear_attn, model.embed(ids))[0].T.double()  # [H, T]
     memory = decay_mask(g.cumsum(-1))  # [H, T, T]: exp(G_t - G_s) for s <= t
     fig, axes = plt.subplots(1, g.shape[0], figsize=(12, 3.2))
     for head, ax in enumerate(axes):
@@ -225,7 +226,7 @@ def plot_decay_memory(model: TinyDeltaNetLM, ids: torch.Tensor, decay_mask) -> N
 def plot_layer_decays(model, ids: list) -> None:
     """Each DeltaNet layer's mean exp(g) per value head over `ids` (a hook on every such layer)."""
     decays = []
-    hook = lambda m, inp, out: decays.append(m.log_decay(inp[0]).exp())  # noqa: E731
+    hook = lambda m, inp, out: decays.append(log_decay(m, inp[0]).exp())  # noqa: E731
     handles = [
         layer.mixer.register_forward_hook(hook)
         for layer in model.model.layers
