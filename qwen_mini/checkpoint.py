@@ -28,15 +28,13 @@ from torch import nn
 
 from .architectures import Architecture, architecture, config_from_file
 from .config import Config
-from .decoder import checkpoint_key, load_weights
-from .generation import check_generation_config
+from .locate import INDEX_FILE, SINGLE_FILE
 from .model import CausalLM
 from .runtime import convert_for_runtime
 from .safetensors_file import read_safetensors_header
+from .sampling import check_generation_config
 from .validation import ConfigError, as_path, read_json_object
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+from .weights import checkpoint_key, load_weights
 
 # the safetensors dtypes PyTorch can load; their sizes check that the header and the file agree
 TORCH_DTYPES = dict(F64=torch.float64, F32=torch.float32, F16=torch.float16, BF16=torch.bfloat16)

@@ -473,7 +473,7 @@ def cmd_doctor(args) -> int:
 
 def scan_weights(name: str) -> int:
     from .checkpoint import scan_nonfinite
-    from .hub import find_local
+    from .locate import find_local
 
     folder = find_local(name)
     if folder is None:
@@ -523,7 +523,7 @@ def check_models() -> bool:
 
 
 def check_tokenizers() -> bool:
-    from .hub import KNOWN_MODELS, find_local
+    from .locate import KNOWN_MODELS, find_local
     from .tokenizer import load_tokenizer
 
     print("tokenizers (encode -> decode round trip, control-token ids)")

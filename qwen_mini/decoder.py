@@ -1,12 +1,10 @@
 # Generated from solutions/ch01_attention.ipynb by python -m qwen_mini.course.build —
 # edit the notebook, not this file.
 
-"""The decoder layer, the model's forward pass, loading the weights by checkpoint name, and the
-generation loop. `qwen_mini.model` builds the model from these; `qwen_mini.checkpoint` and
-`qwen_mini.generation` add the checks around them.
+"""The decoder layer and the model's forward pass: embedding, layers, final norm, head.
+`CausalLM.forward` (`qwen_mini.model`) runs the pass, checking its input and committing the
+cache around it.
 """
-
-from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -60,62 +58,3 @@ def model_forward(model, input_ids: torch.Tensor, cache=None, last_only: bool = 
     if last_only:  # before the head: the biggest matrix multiplies one row, not T
         x = x[:, -1:]
     return model.lm_head(x)  # [B, T, vocab]
-
-
-def checkpoint_key(name: str, prefix: str = "model.") -> str:
-    """The checkpoint's name for a parameter: what the model calls "model." sits under `prefix`
-    in the checkpoint (e.g. "model.language_model." in a multimodal one)."""
-    return prefix + name.removeprefix("model.") if name.startswith("model.") else name
-
-
-def load_weights(
-    model: nn.Module,
-    header: Mapping,
-    get_tensor: Callable[[str], torch.Tensor],
-    prefix: str = "model.",
-) -> dict[str, str]:
-    """Fill every parameter of `model` from a checkpoint; return {parameter: checkpoint key}.
-
-    header: the checkpoint's tensors by name (a safetensors header, or any mapping with those
-        keys); get_tensor(key) reads one of them.
-    prefix: where the checkpoint keeps what the model calls "model." (the text model).
-    """
-    tied = model.config.tie_word_embeddings
-    sources = {}
-    for name in model.state_dict():  # a tied model lists the head and the embedding both
-        key = checkpoint_key(name, prefix)
-        if tied and name == "lm_head.weight":  # the head is the embedding; a copy is not read
-            key = checkpoint_key("model.embed_tokens.weight", prefix)
-        if key not in header:
-            raise KeyError(f"the checkpoint has no tensor {key!r} for the parameter {name!r}")
-        sources[name] = key
-    tensors = {key: get_tensor(key) for key in dict.fromkeys(sources.values())}  # each once
-    model.load_state_dict({n: tensors[k] for n, k in sources.items()}, strict=True, assign=True)
-    if tied:  # assign made two Parameters of the one tensor: make them one Parameter again
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return sources
-
-
-def greedy(logits: torch.Tensor) -> int:
-    """The most likely next token (logits [vocab])."""
-    return int(logits.argmax())
-
-
-def decode(
-    model,
-    prompt_ids: list[int],
-    max_new_tokens: int,
-    choose: Callable[[torch.Tensor], int] = greedy,
-    stop=(),
-) -> Iterator[int]:
-    """Yield up to max_new_tokens ids continuing prompt_ids, through the KV cache."""
-    device = next(model.parameters()).device
-    cache = model.new_cache(batch_size=1)
-    ids = torch.tensor([prompt_ids], device=device)  # [1, T]: the whole prompt, once
-    for _ in range(max_new_tokens):
-        logits = model(ids, cache=cache, last_only=True)[0, -1]  # [vocab]
-        token = choose(logits)
-        yield token
-        if token in stop:
-            return
-        ids = torch.tensor([[token]], device=device)  # [1, 1]: the cache holds the rest

@@ -382,10 +382,6 @@ class GatedDeltaNet(nn.Module):
         """(beta, g) [B, T, H_v] with this layer's A_log and dt_bias."""
         return deltanet_gates(b, a, self.A_log, self.dt_bias)
 
-    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, hidden] -> g [B, T, H_v]: the decay of each token, from the layer's input."""
-        return self.gates(*self.project(x)[2:])[1]
-
     def forward(self, x, cos=None, sin=None, cache: DeltaNetState | None = None):
         """x [B, T, hidden] -> [B, T, hidden]. cos, sin are unused (no positions: order comes
         from the recurrence and the convolution). With a cache, continue from its states and

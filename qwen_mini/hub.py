@@ -1,9 +1,8 @@
 """From a model name such as "Qwen/Qwen3-0.6B" to a loaded model.
 
 A name resolves, in order, to:
-  1. an explicit folder (any path that exists),
-  2. `$QWEN_MINI_WEIGHTS/<repo-name>` or `$QWEN_MINI_WEIGHTS/<org>/<repo-name>`,
-  3. the local Hugging Face cache (where transformers and huggingface_hub keep what they fetch),
+  1.-3. its files on this machine: a folder, $QWEN_MINI_WEIGHTS, the Hugging Face cache (see
+     `qwen_mini.locate`),
   4. a download from the Hugging Face hub, only when asked (download=True or
      QWEN_MINI_DOWNLOAD=1) and only on a machine that is online,
   5. the stand-in: a tiny model of the same architecture (see standin.py), with a notice.
@@ -19,19 +18,21 @@ from pathlib import Path
 import torch
 
 from .architectures import Architecture, config_from_file
-from .checkpoint import INDEX_FILE, SINGLE_FILE, checked_device, checked_dtype, load_checkpoint
+from .checkpoint import checked_device, checked_dtype, load_checkpoint
+from .locate import (
+    DOWNLOAD_ENV,
+    KNOWN_MODELS,
+    WEIGHTS_ENV,
+    find,
+    has_weights,
+    hf_cache_dir,
+    known_name,
+    looks_like_repo,
+)
 from .model import CausalLM
 from .standin import STANDINS, TRAINED, load_standin, standin_kind
 from .validation import as_path
 
-# the models this course is written for, with their model_type
-KNOWN_MODELS = {
-    "Qwen/Qwen3-0.6B": "qwen3",
-    "Qwen/Qwen2.5-0.5B": "qwen2",
-    "Qwen/Qwen3.5-0.8B": "qwen3_5",
-}
-
-WEIGHTS_ENV, DOWNLOAD_ENV = "QWEN_MINI_WEIGHTS", "QWEN_MINI_DOWNLOAD"
 # what a download fetches: configs, safetensors weights and tokenizer files, never pickles
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 
@@ -47,90 +48,6 @@ class Resolved:
     path: Path | None
     source: str  # 'path' | 'env' | 'hf-cache' | 'download' | 'stand-in'
     searched: list[str] = field(default_factory=list)  # the places looked at, for messages
-
-
-def known_name(name: str) -> str | None:
-    """The canonical known name for `name`, case-insensitive, with or without "Qwen/"."""
-    for known in KNOWN_MODELS:
-        if name.lower() in (known.lower(), known.split("/")[1].lower()):
-            return known
-    return None
-
-
-def hf_cache_dir() -> Path:
-    """The Hugging Face cache: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    return Path.home() / ".cache" / "huggingface" / "hub"
-
-
-def _has_weights(folder: Path) -> bool:
-    return (folder / "config.json").is_file() and (
-        (folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file()
-    )
-
-
-def _in_env(name: str, searched: list[str]) -> Path | None:
-    root = os.environ.get(WEIGHTS_ENV)
-    if not root:
-        searched.append(f"${WEIGHTS_ENV} (not set)")
-        return None
-    root = Path(root).expanduser()
-    candidates = [root / name.split("/")[-1]] + ([root / name] if "/" in name else [])
-    for folder in candidates:
-        if folder.is_dir():
-            return folder
-    searched.append(f"${WEIGHTS_ENV}: " + ", ".join(str(c) for c in candidates))
-    return None
-
-
-def hf_cache_repo(name: str) -> Path:
-    """Where the Hugging Face cache keeps the repository `name` ("Qwen/Qwen3-0.6B")."""
-    return hf_cache_dir() / ("models--" + name.replace("/", "--"))
-
-
-def hf_cache_snapshot(name: str) -> Path | None:
-    """The snapshot `refs/main` points at, in the cache layout models--<org>--<name>/snapshots,
-    whatever it holds (weights, or only the tokenizer files); None if there is none."""
-    repo = hf_cache_repo(name)
-    ref = repo / "refs" / "main"
-    return repo / "snapshots" / ref.read_text().strip() if ref.is_file() else None
-
-
-def _in_hf_cache(name: str, searched: list[str]) -> Path | None:
-    searched.append(f"Hugging Face cache: {hf_cache_repo(name)}")
-    snapshot = hf_cache_snapshot(name)
-    return snapshot if snapshot is not None and _has_weights(snapshot) else None
-
-
-def _looks_like_repo(name: str) -> bool:
-    """True for a hub name such as "Qwen/Qwen3-0.6B"; False for paths like "./x" or "/data/x"."""
-    parts = name.split("/")
-    return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
-
-
-def _find(name_or_path: str | Path, searched: list[str]) -> tuple[Path, str] | None:
-    """(folder, source) on this machine, or None; each place looked at goes into `searched`."""
-    path = as_path(name_or_path, "the model")
-    if path.is_dir():
-        return path, "path"
-    name = known_name(str(name_or_path)) or str(name_or_path)
-    if not (_looks_like_repo(name) or "/" not in name):
-        return None  # a path that does not exist: nowhere else to look
-    if (found := _in_env(name, searched)) is not None:
-        return found, "env"
-    if _looks_like_repo(name) and (found := _in_hf_cache(name, searched)) is not None:
-        return found, "hf-cache"
-    return None
-
-
-def find_local(name_or_path: str | Path) -> Path | None:
-    """A folder on this machine holding the model, or None. Looks at, in order: an explicit
-    folder, $QWEN_MINI_WEIGHTS/<repo-name> (or <org>/<repo-name>), the Hugging Face cache."""
-    found = _find(name_or_path, [])
-    return None if found is None else found[0]
 
 
 def _download(name: str) -> Path:
@@ -159,10 +76,10 @@ def resolve(name_or_path: str | Path, download: bool = False) -> Resolved:
     """Where `name_or_path` resolves: a local folder, a download (only if asked: download=True
     or QWEN_MINI_DOWNLOAD=1), or the stand-in of a known name. Anything else is a ValueError."""
     searched = []
-    if (found := _find(name_or_path, searched)) is not None:
+    if (found := find(name_or_path, searched)) is not None:
         return Resolved(found[0], found[1], searched)
     name = known_name(str(name_or_path)) or str(name_or_path)
-    if _looks_like_repo(name) and _download_wanted(download):
+    if looks_like_repo(name) and _download_wanted(download):
         return Resolved(_download(name), "download", searched)
     if name in KNOWN_MODELS:  # each known model has a stand-in
         return Resolved(None, "stand-in", searched)
@@ -181,7 +98,7 @@ def standin_notice(name: str) -> str:
 def standin_help(name: str) -> str:
     """Where `name` was looked for and how to get its real weights (the command line says it)."""
     name, searched = known_name(name) or name, []
-    _find(name, searched)
+    find(name, searched)
     short = name.split("/")[-1]
     return "\n".join(
         [
@@ -249,11 +166,11 @@ def model_type_of(name_or_path: str | Path) -> str:
 def describe(name_or_path: str | Path) -> str:
     """One line saying where a name resolves (for `qwen-mini doctor`); never downloads."""
     searched = []
-    found = _find(name_or_path, searched)
+    found = find(name_or_path, searched)
     where = "; ".join(searched) or "nowhere else"
     if found is not None:
         path, source = found
-        complete = "" if _has_weights(path) else " (no config.json + safetensors weights there)"
+        complete = "" if has_weights(path) else " (no config.json + safetensors weights there)"
         return f"{name_or_path}: {path} [{source}]{complete}"
     name = known_name(str(name_or_path))
     if name is None:

@@ -66,13 +66,29 @@ class CausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, cache: Cache | None = None, last_only: bool = False
     ) -> torch.Tensor:
-        """logits [B, T, vocab] ([B, 1, vocab] with last_only): the row's forward pass."""
-        return self.run_pass(self.arch.forward, input_ids, cache, last_only)
+        """input_ids [B, T] -> logits [B, T, vocab] ([B, 1, vocab] with last_only).
 
-    def run_pass(self, forward_pass, input_ids, cache=None, last_only=False) -> torch.Tensor:
-        """`forward_pass(self, input_ids, cache, last_only)`, made safe to call: the input and
-        the context length are checked first, and the cache is committed only once the whole
-        pass has run (discarded if it fails), so it never describes half a pass."""
+        The pass is the row's `forward`: `model_forward` in qwen_mini/decoder.py (the embedding,
+        the RoPE angles, each layer, the final norm, the head), or a pass a row puts in its
+        place (Qwen3.8's residual streams, streams.py; yours, `with_blocks(forward=...)`).
+        Around it: the input is checked first, and the cache is committed only once the whole
+        pass has run (discarded if it fails), so it never describes half a pass.
+        """
+        self.check_input(input_ids, cache)
+        try:
+            logits = self.arch.forward(self, input_ids, cache, last_only)
+        except BaseException:
+            if cache is not None:
+                cache.discard()  # a failed pass leaves the cache as it was
+            raise
+        if cache is not None:
+            cache.commit(input_ids.shape[1])  # only now, once every layer has run
+        return logits
+
+    def check_input(self, input_ids: torch.Tensor, cache: Cache | None = None) -> None:
+        """Refuse, naming what is wrong, input ids this model cannot run (not a [B, T] tensor of
+        token ids in its vocabulary, or more positions than its context) and a cache that is
+        not one of this model's for this batch."""
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(
                 f"input_ids must be a torch.Tensor [batch, tokens] of token ids "
@@ -120,12 +136,3 @@ class CausalLM(nn.Module):
             )
         if cache is not None and cache.batch_size != B:
             raise ValueError(f"the cache was made for batch size {cache.batch_size}, not {B}.")
-        try:
-            logits = forward_pass(self, input_ids, cache, last_only)
-        except BaseException:
-            if cache is not None:
-                cache.discard()  # a failed pass leaves the cache as it was
-            raise
-        if cache is not None:
-            cache.commit(T)  # only now, once every layer has run
-        return logits

@@ -36,9 +36,10 @@ from pathlib import Path
 
 import tokenizers
 
+from . import locate
 from .config import ASSETS
 from .families import family_of
-from .validation import as_path, read_json_object
+from .validation import as_path, is_whole_number, read_json_object
 
 VENDORED_QWEN3 = ASSETS / "tokenizers" / "qwen3"
 VENDORED_QWEN3_5 = ASSETS / "tokenizers" / "qwen3_5"
@@ -91,16 +92,6 @@ def check_text(text, what: str) -> str:
             f"no character; text read with errors='surrogateescape' must be repaired first"
         ) from None
     return text
-
-
-def is_whole_number(value) -> bool:
-    """An int, or an integer numpy/torch scalar: never a float (int(2.7) would be 2) or a bool."""
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int):
-        return True
-    dtype = getattr(value, "dtype", None)
-    return dtype is not None and getattr(value, "ndim", 1) == 0 and "int" in str(dtype)
 
 
 class Tokenizer:
@@ -510,7 +501,7 @@ def load_tokenizer(name_or_path: str | Path = "Qwen/Qwen3-0.6B") -> Tokenizer:
 
     - A folder (or a tokenizer.json file): its tokenizer.json, plus the chat template from
       tokenizer_config.json / chat_template.jinja beside it.
-    - A model name such as "Qwen/Qwen3-0.6B": its downloaded files if `qwen_mini.hub.find_local`
+    - A model name such as "Qwen/Qwen3-0.6B": its downloaded files if `qwen_mini.locate.find_local`
       finds them ($QWEN_MINI_WEIGHTS, the Hugging Face cache, where tokenizer files alone are
       enough); otherwise the vendored Qwen3 files, which hold the same BPE for Qwen3 and Qwen2.5
       (see the module docstring).
@@ -529,16 +520,9 @@ def load_tokenizer(name_or_path: str | Path = "Qwen/Qwen3-0.6B") -> Tokenizer:
         return _from_folder(path)
 
     name = str(name_or_path)
-    try:
-        from .hub import find_local
-    except ModuleNotFoundError as err:  # tolerate a checkout without the hub module, nothing else
-        if err.name != f"{__package__}.hub":
-            raise
-        find_local = None
-    if find_local is not None:
-        local = find_local(name)
-        if local is not None and (Path(local) / "tokenizer.json").is_file():
-            return _from_folder(Path(local))
+    local = locate.find_local(name)
+    if local is not None and (local / "tokenizer.json").is_file():
+        return _from_folder(local)
     cached = _tokenizer_in_hf_cache(name)
     if cached is not None:
         return _from_folder(cached)
@@ -564,11 +548,7 @@ def load_tokenizer(name_or_path: str | Path = "Qwen/Qwen3-0.6B") -> Tokenizer:
 def _tokenizer_in_hf_cache(name: str) -> Path | None:
     """The Hugging Face cache snapshot of `name` when it holds tokenizer.json, even without
     weights (transformers' AutoTokenizer.from_pretrained fetches only the tokenizer files)."""
-    try:
-        from .hub import hf_cache_snapshot
-    except ImportError:  # a checkout without the hub module
-        return None
-    snapshot = hf_cache_snapshot(name if "/" in name else f"Qwen/{name}")
+    snapshot = locate.hf_cache_snapshot(name if "/" in name else f"Qwen/{name}")
     return snapshot if snapshot is not None and (snapshot / "tokenizer.json").is_file() else None
 
 

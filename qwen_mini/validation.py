@@ -129,6 +129,16 @@ def is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def is_whole_number(value) -> bool:
+    """An int, or an integer numpy/torch scalar: never a float (int(2.7) would be 2) or a bool."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return True
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and getattr(value, "ndim", 1) == 0 and "int" in str(dtype)
+
+
 def _size_problem(value: object, smallest: int) -> str | None:
     """Why `value` is not a whole number from `smallest` to LARGEST, or None."""
     if not _is_int(value):

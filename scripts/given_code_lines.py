@@ -13,8 +13,8 @@ Counted in each solution notebook's code cells that reach the learner (not those
   - other cells: imports, experiments, plots, widget helpers, the finale.
 
 Hidden-test regions and marker lines are not counted (the learner never sees them). Code imported
-from a module (`qwen_mini.course.lab`) is not in the notebook and so is not counted: that is the
-point of moving given experiment code there.
+from a module (`qwen_mini.course.lab`, `qwen_mini.course.experiments`) is not in the notebook and so
+is not counted: that is the point of moving given experiment code there.
 """
 
 from __future__ import annotations

@@ -11,16 +11,13 @@ from torch import nn
 
 from qwen_mini import CausalLM
 from qwen_mini.architectures import config_from_dict
-from qwen_mini.generation import (
+from qwen_mini.generation import generate, generate_tokens, next_token, stream_text
+from qwen_mini.sampling import (
     Sampling,
     apply_presence_penalty,
     apply_temperature,
     filter_logits,
-    generate,
-    generate_tokens,
     min_p_filter,
-    next_token,
-    stream_text,
     top_k_filter,
     top_p_filter,
 )

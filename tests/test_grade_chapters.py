@@ -217,10 +217,10 @@ MODEL_LEVEL_REFERENCES = {
     + 'check("ch01.DecoderLayer", DecoderLayer)',
     "a8000006": "import qwen_mini.decoder as d\n\n\ndef model_forward(*a, **k):\n"
     '    return d.model_forward(*a, **k)\n\n\ncheck("ch01.model_forward", model_forward)',
-    "a8000008": "from qwen_mini.decoder import load_weights\n\n"
+    "a8000008": "from qwen_mini.weights import load_weights\n\n"
     + 'check("ch01.load_weights", load_weights)',
-    "a8000010": "from qwen_mini import decoder\n\n\ndef decode(model, prompt, n, **kw):\n"
-    '    yield from decoder.decode(model, prompt, n, **kw)\n\n\ncheck("ch01.decode", decode)',
+    "a8000010": "from qwen_mini import decoding\n\n\ndef decode(model, prompt, n, **kw):\n"
+    '    yield from decoding.decode(model, prompt, n, **kw)\n\n\ncheck("ch01.decode", decode)',
 }
 
 

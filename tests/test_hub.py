@@ -15,16 +15,8 @@ from qwen_mini import CheckpointError, load_model
 from qwen_mini.architectures import config_from_dict, config_from_file
 from qwen_mini.checkpoint import expected_shapes
 from qwen_mini.config import ASSETS
-from qwen_mini.hub import (
-    KNOWN_MODELS,
-    DownloadError,
-    describe,
-    find_local,
-    hf_cache_dir,
-    resolve,
-    standin_help,
-    standin_notice,
-)
+from qwen_mini.hub import DownloadError, describe, resolve, standin_help, standin_notice
+from qwen_mini.locate import KNOWN_MODELS, find_local, hf_cache_dir
 from qwen_mini.standin import STANDINS, load_standin
 
 CONFIGS = ASSETS / "configs"

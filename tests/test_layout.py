@@ -1,9 +1,7 @@
 """The package's import graph: no module imports itself back through others (imports inside
 functions count), and the model does not import the course machinery.
 
-The graph is read from the source (ast), so it sees every import, run or not. KNOWN_CIRCLES
-lists the circles that remain to be cut; the test fails when one appears that is not listed, and
-when a listed one is gone (then take it off the list).
+The graph is read from the source (ast), so it sees every import, run or not.
 """
 
 import ast
@@ -12,14 +10,6 @@ from pathlib import Path
 import qwen_mini
 
 PACKAGE = Path(qwen_mini.__file__).parent
-
-KNOWN_CIRCLES = {
-    # the loader reads generation_config.json through generation.py; the tokenizer finds its
-    # files through the hub, which loads checkpoints
-    frozenset({"checkpoint", "generation", "hub", "standin", "tokenizer"}),
-    # check() keeps the learner's pieces (mine), and mine asks the checks what passed
-    frozenset({"course.checking", "course.mine", "course.variants"}),
-}
 
 
 def _modules() -> dict[str, Path]:
@@ -93,16 +83,13 @@ def _circles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
 def test_the_graph_sees_imports_inside_functions():
     graph = _graph()
     assert "ngram_embedding" in graph["architectures"]  # a top-level relative import
-    assert "course.mine" in graph["course.checking"]  # `from . import mine` inside a function
+    assert "course.mine" in graph["course"]  # `from . import mine` inside a function
     assert "architectures" in graph["course.mine"]  # `from qwen_mini import architectures`
 
 
-def test_no_import_circles_but_the_known_ones():
+def test_no_import_circles():
     circles = _circles(_graph())
-    assert circles - KNOWN_CIRCLES == set(), f"new import circles: {circles - KNOWN_CIRCLES}"
-    assert KNOWN_CIRCLES - circles == set(), (
-        f"these circles are cut: take them off KNOWN_CIRCLES: {KNOWN_CIRCLES - circles}"
-    )
+    assert circles == set(), f"modules that import each other, directly or not: {circles}"
 
 
 def test_the_model_does_not_import_the_course():

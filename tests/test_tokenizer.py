@@ -8,15 +8,13 @@
 """
 
 import json
-import sys
-import types
 import unicodedata
 from pathlib import Path
 
 import pytest
 from helpers import QWEN3_SPLIT, oracle_encode, tiktoken_oracle
 
-from qwen_mini import Tokenizer, load_tokenizer
+from qwen_mini import Tokenizer, load_tokenizer, locate
 from qwen_mini.tokenizer import VENDORED_QWEN3
 
 CORPUS = json.loads((Path(__file__).parent / "data" / "tokenizer_corpus.json").read_text("utf-8"))
@@ -124,11 +122,9 @@ def write_tiny_tokenizer(folder: Path) -> Path:
 
 @pytest.fixture
 def fake_hub(monkeypatch):
-    """Replace qwen_mini.hub (which may not exist yet) by one whose find_local we control."""
+    """A `qwen_mini.locate.find_local` whose answers we control: the downloaded files."""
     found = {}
-    hub = types.ModuleType("qwen_mini.hub")
-    hub.find_local = lambda name: found.get(name)
-    monkeypatch.setitem(sys.modules, "qwen_mini.hub", hub)
+    monkeypatch.setattr(locate, "find_local", lambda name: found.get(name))
     return found
 
 

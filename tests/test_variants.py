@@ -10,9 +10,10 @@ from torch import nn
 
 from qwen_mini import attention as ref
 from qwen_mini import decoder as dec
-from qwen_mini import moe
+from qwen_mini import decoding, moe
 from qwen_mini.course import variants
-from qwen_mini.course.checking import case, exercises, get, register, run_checks
+from qwen_mini.course.checking import exercises, get, register, run_checks
+from qwen_mini.course.variants import case
 from qwen_mini.mlp import MLP
 
 
@@ -26,8 +27,8 @@ def causal_mask_on_the_cpu(t_new, t_total, device=None):
     return torch.arange(t_total)[None, :] <= q_pos
 
 
-def decode_as_a_list(model, prompt_ids, max_new_tokens, choose=dec.greedy, stop=()):
-    return list(dec.decode(model, prompt_ids, max_new_tokens, choose, stop))
+def decode_as_a_list(model, prompt_ids, max_new_tokens, choose=decoding.greedy, stop=()):
+    return list(decoding.decode(model, prompt_ids, max_new_tokens, choose, stop))
 
 
 class LayerWithInPlaceResidual(dec.DecoderLayer):

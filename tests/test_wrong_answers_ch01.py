@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from qwen_mini import attention as ref
 from qwen_mini import decoder as dec
+from qwen_mini import decoding, weights
 from qwen_mini.course.checking import run_checks
 from qwen_mini.rope import apply_rope
 
@@ -44,10 +45,10 @@ class LayerWithKeywords(dec.DecoderLayer):
 
 
 def load_with_setattr(model, header, get_tensor, prefix="model."):
-    return dec.load_weights(model, dict(header), get_tensor, prefix)
+    return weights.load_weights(model, dict(header), get_tensor, prefix)
 
 
-def decode_with_forward(model, prompt_ids, max_new_tokens, choose=dec.greedy, stop=()):
+def decode_with_forward(model, prompt_ids, max_new_tokens, choose=decoding.greedy, stop=()):
     cache, ids = model.new_cache(batch_size=1), torch.tensor([prompt_ids])
     for _ in range(max_new_tokens):
         token = choose(model.forward(ids, cache=cache, last_only=True)[0, -1])

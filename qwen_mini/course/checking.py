@@ -169,9 +169,11 @@ def register(exercise_id: str, reference=None, points: float = 1, title: str = "
     _EXERCISES[exercise_id] = Exercise(exercise_id, reference, points, title, registered=True)
 
 
-def _add(
+def add_check(
     exercise_id: str, hidden: bool, label: str, fn: Callable, variant=False, first=False
 ) -> None:
+    """Add the check `fn(obj)` named `label`; a variant's goes after the plain ones, or before
+    them all with `first`."""
     entry = _entry(exercise_id)
     if label in {name for name, _ in entry.public + entry.hidden}:
         raise ValueError(f"{exercise_id}: two checks named {label!r} (a message must say which)")
@@ -193,7 +195,7 @@ def _check_function(exercise_id: str, which: str, name: str | None):
     def decorator(fn: Callable) -> Callable:
         checks = getattr(_entry(exercise_id), which)
         label = name or _docline(fn) or f"{which} check {len(checks) + 1}"
-        _add(exercise_id, which == "hidden", label, lambda obj: fn(obj))
+        add_check(exercise_id, which == "hidden", label, lambda obj: fn(obj))
         return fn
 
     return decorator
@@ -224,22 +226,14 @@ def case(
     rtol: float = 0.0,
     seed: int = 0,
     hidden: bool = False,
-    variants: tuple = (),
-) -> None:
+) -> Case:
     """Declare a case: `inputs(generator)` gives the arguments, `call(impl, *arguments)` what is
     compared (default `impl(*arguments)`) with the reference's, or with `expected(*arguments)`.
-    `variants`: the ways the case runs again as the models run it (bfloat16, the meta device, a
-    backward pass...: see variants.py), each a check after the exercise's plain ones."""
+    (`qwen_mini.course.variants.case` also runs it again as the models run it.)"""
     c = Case(exercise_id, name, inputs, call or _plain_call, expected, atol, rtol, seed, hidden)
-    _add(exercise_id, hidden, name, lambda obj: _run_case(c, obj))
+    add_check(exercise_id, hidden, name, lambda obj: _run_case(c, obj))
     _entry(exercise_id).cases.append(c)
-    if variants:
-        from . import variants as kinds
-
-        for spec in variants:
-            v = kinds.of(spec)
-            label = f"{name}, {v.label}"
-            _add(exercise_id, hidden, label, kinds.check_of(c, v), variant=True, first=v.first)
+    return c
 
 
 def _plain_call(impl, *arguments):
@@ -602,15 +596,14 @@ def check(exercise_id: str, obj) -> Result:
     return result
 
 
-def _remember(exercise_id: str, obj, result: Result) -> None:
-    """Keep a passing answer as the learner's piece for later chapters; set a kept one aside
-    when the learner's answer now fails (qwen_mini/course/mine.py)."""
-    from . import mine
+# who else hears of each result of check() and use(), as (exercise id, object, result): the
+# learner's pieces (course/__init__.py adds mine.remember), the grader's tests
+AFTER_CHECK: list[Callable[[str, object, Result], None]] = []
 
-    if result.ok:
-        mine.keep(exercise_id, obj)
-    elif result.status == "failed":
-        mine.set_aside(exercise_id)
+
+def _remember(exercise_id: str, obj, result: Result) -> None:
+    for listener in AFTER_CHECK:
+        listener(exercise_id, obj, result)
 
 
 def use(exercise_id: str, obj):

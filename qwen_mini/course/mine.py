@@ -276,9 +276,19 @@ def _keeping() -> bool:
     return checking.mode() == "learner" and not os.environ.get("NBGRADER_EXECUTION") and not off
 
 
+def remember(exercise_id: str, obj, result: checking.Result) -> None:
+    """What check() and use() report (course/__init__.py tells checking so): a passing answer
+    is kept as the learner's piece for later chapters; a kept one is set aside when the
+    learner's answer now fails."""
+    if result.ok:
+        keep(exercise_id, obj)
+    elif result.status == "failed":
+        set_aside(exercise_id)
+
+
 def keep(exercise_id: str, obj) -> Path | None:
-    """Called by check()/use() when `obj` passes: keep it as the learner's piece. Says why, in
-    one line, when it cannot; never raises."""
+    """Keep `obj`, which passes, as the learner's piece. Says why, in one line, when it cannot;
+    never raises."""
     if not _keeping() or obj is checking.reference(exercise_id):
         return None
     _PASSED.append((exercise_id, obj))

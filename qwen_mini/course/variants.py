@@ -106,6 +106,18 @@ def of(spec) -> Variant:
     return spec if isinstance(spec, Variant) else Variant(spec)
 
 
+def case(exercise_id: str, name: str, inputs: Callable, *args, variants: tuple = (), **kw) -> None:
+    """`checking.case` (the same arguments), then each of `variants` (a kind's name or a
+    `Variant`) as a check of its own, after the exercise's plain ones."""
+    c = checking.case(exercise_id, name, inputs, *args, **kw)
+    for spec in variants:
+        v = of(spec)
+        label = f"{name}, {v.label}"
+        checking.add_check(
+            exercise_id, c.hidden, label, check_of(c, v), variant=True, first=v.first
+        )
+
+
 def check_of(c: checking.Case, v: Variant) -> Callable:
     """The check (obj) -> None that runs case `c` as variant `v`."""
     run = {

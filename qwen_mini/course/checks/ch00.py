@@ -24,7 +24,6 @@ from qwen_mini.architectures import architecture, config_from_dict
 from qwen_mini.config import ASSETS, Config
 from qwen_mini.course.checking import (
     between,
-    case,
     exception_text,
     mistake,
     named,
@@ -33,7 +32,7 @@ from qwen_mini.course.checking import (
 )
 from qwen_mini.course.lab import ch00 as lab
 from qwen_mini.course.observing import observe
-from qwen_mini.course.variants import bfloat16
+from qwen_mini.course.variants import bfloat16, case
 from qwen_mini.model import CausalLM
 
 register(

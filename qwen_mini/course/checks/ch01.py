@@ -24,12 +24,12 @@ import torch.nn.functional as F
 
 from qwen_mini import attention as ref
 from qwen_mini import decoder as dec
+from qwen_mini import decoding, weights
 from qwen_mini.architectures import ARCHITECTURES
 from qwen_mini.checkpoint import meta_model
 from qwen_mini.config import Config, RopeScaling
 from qwen_mini.course.checking import (
     between,
-    case,
     expect_close,
     mistake,
     randn,
@@ -39,7 +39,7 @@ from qwen_mini.course.checking import (
 from qwen_mini.course.fakes.ch01 import Recorder, SpyCache, Watched
 from qwen_mini.course.lab import ch01 as lab
 from qwen_mini.course.observing import graded, observe
-from qwen_mini.course.variants import backward, bfloat16, lazy, meta
+from qwen_mini.course.variants import backward, bfloat16, case, lazy, meta
 from qwen_mini.model import CausalLM
 from qwen_mini.norms import RMSNorm
 from qwen_mini.rope import apply_rope, rope_cos_sin
@@ -1154,7 +1154,7 @@ def regroup_strided_mean(w, head_dim, n_kv_new):
     return heads.reshape(n_kv_new * head_dim, *w.shape[1:])
 
 
-# --- the model around attention (qwen_mini/decoder.py) ------------------------------------------
+# --- the model around attention (qwen_mini/decoder.py, weights.py, decoding.py) -------------------
 
 register(
     "ch01.DecoderLayer",
@@ -1170,13 +1170,13 @@ register(
 )
 register(
     "ch01.load_weights",
-    reference=dec.load_weights,
+    reference=weights.load_weights,
     points=2,
     title="Loading: checkpoint key for every parameter, the tied head",
 )
 register(
     "ch01.decode",
-    reference=dec.decode,
+    reference=decoding.decode,
     points=2,
     title="Generation loop with the KV cache: prefill once, then one token at a time",
 )
@@ -1734,7 +1734,7 @@ def _decode_run(decode, seed, prompt_len, n, choose=None, stop=None, stop_at=Non
     model = _tiny_model(seed)
     prompt = torch.randint(0, 64, (prompt_len,), generator=seeded(seed + 1)).tolist()
     if stop_at is not None:  # stop at the token greedy decoding reaches at step `stop_at`
-        stop = {_reference_tokens(model, prompt, stop_at + 1, dec.greedy)[stop_at]}
+        stop = {_reference_tokens(model, prompt, stop_at + 1, decoding.greedy)[stop_at]}
     watched = Watched(model)
     kwargs = {"choose": choose} if choose is not None else {}
     if stop is not None:
@@ -1765,7 +1765,7 @@ def _decode_case(name, *args, hidden=False, variants=(), **kwargs):
         return _decode_run(decode, *args, **kwargs)
 
     def expected():  # how the package calls the model; the tokens recomputed without a cache
-        return _decode_run(dec.decode, *args, **kwargs) | _decode_tokens(*args, **kwargs)
+        return _decode_run(decoding.decode, *args, **kwargs) | _decode_tokens(*args, **kwargs)
 
     case(DECODE, name, lambda g: (), call, expected, hidden=hidden, variants=variants)
 
@@ -1774,9 +1774,9 @@ def _decode_tokens(seed, prompt_len, n, choose=None, stop=None, stop_at=None):
     model = _tiny_model(seed)
     prompt = torch.randint(0, 64, (prompt_len,), generator=seeded(seed + 1)).tolist()
     if stop_at is not None:
-        stop = {_reference_tokens(model, prompt, stop_at + 1, dec.greedy)[stop_at]}
+        stop = {_reference_tokens(model, prompt, stop_at + 1, decoding.greedy)[stop_at]}
     what = f"{n} at most" + (", ending at a stop id" if stop else "")
-    tokens = _reference_tokens(model, prompt, n, choose or dec.greedy, stop or ())
+    tokens = _reference_tokens(model, prompt, n, choose or decoding.greedy, stop or ())
     return {f"the tokens ({what}; prompt of {prompt_len})": tokens}
 
 
@@ -1804,7 +1804,7 @@ _decode_case("a prompt of 1", 95, 1, 4, hidden=True)
 def decode_variant(kind):
     """The reference generation loop with one step done wrong."""
 
-    def decode(model, prompt_ids, max_new_tokens, choose=dec.greedy, stop=()):
+    def decode(model, prompt_ids, max_new_tokens, choose=decoding.greedy, stop=()):
         device = next(model.parameters()).device
         ids = list(prompt_ids)
         cache = model.new_cache(batch_size=1) if kind != "no_cache" else None

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from qwen_mini.architectures import ARCHITECTURES
 from qwen_mini.attention import Attention, QKVBiasAttention, causal_mask, merge_heads, split_heads
 from qwen_mini.config import Config
-from qwen_mini.course.checking import between, case, mistake, named, randn, register
+from qwen_mini.course.checking import between, mistake, named, randn, register
 from qwen_mini.course.lab import ch02 as lab
+from qwen_mini.course.variants import case
 from qwen_mini.rope import apply_rope, rope_cos_sin
 
 register(

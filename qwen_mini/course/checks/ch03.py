@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from qwen_mini import moe as ref
-from qwen_mini.course.checking import between, case, mistake, named, randn, register
+from qwen_mini.course.checking import between, mistake, named, randn, register
 from qwen_mini.course.fakes.ch03 import CountedFused, CountedMLP, CountingExpert
 from qwen_mini.course.lab import ch03 as lab
 from qwen_mini.course.observing import gradients
-from qwen_mini.course.variants import registered
+from qwen_mini.course.variants import case, registered
 from qwen_mini.mlp import MLP
 
 register("ch03.route", reference=ref.route, points=2, title="Router: softmax, top-k, renormalise")

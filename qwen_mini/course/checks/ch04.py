@@ -14,8 +14,9 @@ import random
 import torch
 
 from qwen_mini import chat as ref
-from qwen_mini.course.checking import case, mistake, register
+from qwen_mini.course.checking import mistake, register
 from qwen_mini.course.fakes.ch04 import END, EOS, THINK, FakeModel
+from qwen_mini.course.variants import case
 
 register("ch04.render_turn", reference=ref.render_turn, points=1, title="Render one ChatML turn")
 register(

@@ -19,9 +19,9 @@ from qwen_mini import attention, norms, rope
 from qwen_mini import deltanet as ref
 from qwen_mini.architectures import ARCHITECTURES
 from qwen_mini.config import Config
-from qwen_mini.course.checking import between, case, mistake, named, randn, register, seeded
+from qwen_mini.course.checking import between, mistake, named, randn, register, seeded
 from qwen_mini.course.observing import graded, observe
-from qwen_mini.course.variants import bfloat16, meta, registered
+from qwen_mini.course.variants import bfloat16, case, meta, registered
 from qwen_mini.rope import apply_rope, rope_cos_sin
 from qwen_mini.rope_scaling import rotary_cos_sin
 

@@ -15,9 +15,10 @@ import torch.nn.functional as F
 
 from qwen_mini import fused_deltanet, ngram_embedding, sparse_attention, streams
 from qwen_mini.architectures import config_from_dict
-from qwen_mini.course.checking import between, case, mistake, randn, register
+from qwen_mini.course.checking import between, mistake, randn, register
 from qwen_mini.course.experiments.ch06 import TINY_CONFIGS
 from qwen_mini.course.lab import ch06 as lab
+from qwen_mini.course.variants import case
 
 register(
     "ch06.fused_projection_order",

@@ -9,6 +9,7 @@ own version in (the learner's where it passes its checks), so what is measured i
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import matplotlib.pyplot as plt
 import torch
@@ -16,9 +17,42 @@ import torch.nn.functional as F
 
 from qwen_mini.attention import repeat_kv, split_heads
 from qwen_mini.course.lab.ch02 import capture_attention_inputs, probe_logits
+from qwen_mini.model import CausalLM
 from qwen_mini.rope import apply_rope
 
-# --- section 2: what the biases add to the logits, layer by layer -------------------------------
+# --- section 2: the bias terms, with and without RoPE ---------------------------------------------
+
+
+def plot_rope_bias(rb: torch.Tensor) -> None:
+    """The b_q·b_k term after RoPE [T, T]: as a map (query i, key j <= i), and against distance."""
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.2))
+    ax[0].imshow(rb.tril(), cmap="RdBu_r")
+    ax[0].set_title("b_q·b_k term after RoPE (query i, key j ≤ i)")
+    ax[0].set_xlabel("key j")
+    ax[0].set_ylabel("query i")
+    ax[1].plot(rb[-1].flip(0))
+    ax[1].set_xlabel("distance i - j")
+    ax[1].set_title("the same term against distance")
+    plt.tight_layout()
+    plt.show()
+
+
+def causal_weights(parts: dict, visible: torch.Tensor, D: int, drop: str | None = None):
+    """The attention weights [Tq, Tk] of the sum of the logit terms `parts`, scaled by 1/sqrt(D),
+    the keys a query cannot see (`visible` False) masked; the term `drop` left out."""
+    logits = sum(v for name, v in parts.items() if name != drop) / math.sqrt(D)
+    return logits.masked_fill(~visible, -math.inf).softmax(-1)
+
+
+def spread_over_keys(term: torch.Tensor, visible: torch.Tensor, D: int) -> float:
+    """The std of the scaled term along each row's visible keys, averaged over the rows: 0 for a
+    term the softmax cancels (the same for every key of a row)."""
+    s = (term / math.sqrt(D)).masked_fill(~visible, float("nan"))
+    centred = s - s.nanmean(-1, keepdim=True)
+    return float(centred.pow(2).nanmean(-1).sqrt().mean())
+
+
+# --- section 2: what the biases add to the logits, layer by layer ---------------------------------
 
 
 def bias_spread(model, ids: torch.Tensor) -> list[dict]:
@@ -114,7 +148,36 @@ def plot_sweep(runs: dict, lrs: list) -> None:
     plt.show()
 
 
-# --- view 1: a training step, a layer and a head -------------------------------------------------
+def print_sweep_table(runs: dict, lrs: list) -> None:
+    """Per rate, off and on: the final loss, the largest logit, the sharpest head's entropy."""
+    print(f"{'lr':>7} | {'final loss':>21} | {'largest logit':>21} | {'sharpest-head entropy':>21}")
+    print(f"{'':>7} | {'off':>10} {'on':>10} | {'off':>10} {'on':>10} | {'off':>10} {'on':>10}")
+    for lr in lrs:
+        off, on = runs[(False, lr)], runs[(True, lr)]
+        print(
+            f"{lr:7g} | {final_loss(off):10.3f} {final_loss(on):10.3f} | {peak_logit(off):10.4g} "
+            f"{peak_logit(on):10.4g} | {low_entropy(off):10.3f} {low_entropy(on):10.3f}"
+        )
+
+
+def print_seed_table(seed_runs: dict, lrs: list, seeds: list) -> dict:
+    """Per rate and seed: the largest logit off / on and the loss gap off - on. Returns {lr: the
+    number of seeds on which QK-Norm ends at the lower loss}."""
+    print(f"{'lr':>7} | largest logit off / on (per seed)       | loss off - on (per seed)")
+    lower_with_norm = {}
+    for lr in lrs:
+        off = [seed_runs[(False, lr, s)] for s in seeds]
+        on = [seed_runs[(True, lr, s)] for s in seeds]
+        gaps_s = [final_loss(a) - final_loss(b) for a, b in zip(off, on, strict=True)]
+        lower_with_norm[lr] = sum(g > 0 for g in gaps_s)
+        peaks = "  ".join(
+            f"{peak_logit(a):7.0f}/{peak_logit(b):3.0f}" for a, b in zip(off, on, strict=True)
+        )
+        print(f"{lr:7g} | {peaks} | " + "  ".join(f"{g:+.3f}" for g in gaps_s))
+    return lower_with_norm
+
+
+# --- view 1: a training step, a layer and a head --------------------------------------------------
 
 
 def training_step_view(live: dict, step_index: int, layer: int, head: int) -> dict:
@@ -153,7 +216,30 @@ def draw_training_step(live: dict, data: dict, layer: int, head: int):
     return fig
 
 
-# --- view 2: scaling ‖q‖ and ‖k‖ -----------------------------------------------------------------
+# --- section 4: softmax in bfloat16 ---------------------------------------------------------------
+
+
+def sdpa_in_bfloat16(seed: int = 0) -> None:
+    """Prints how far F.scaled_dot_product_attention on bfloat16 q, k, v [1, 2, 64, 32] (causal)
+    lands from the same attention in float32 on the same inputs rounded once, and how far
+    bfloat16 arithmetic step by step lands."""
+    g = torch.Generator().manual_seed(seed)
+    q16, k16, v16 = ((3 * torch.randn(1, 2, 64, 32, generator=g)).bfloat16() for _ in range(3))
+    kernel = F.scaled_dot_product_attention(q16, k16, v16, is_causal=True).float()
+    in_fp32 = F.scaled_dot_product_attention(q16.float(), k16.float(), v16.float(), is_causal=True)
+    in_fp32 = in_fp32.bfloat16().float()
+    causal = torch.ones(64, 64, dtype=torch.bool).tril()
+    scores = (q16 @ k16.mT * 32**-0.5).masked_fill(~causal, -math.inf)
+    step_by_step = (scores.softmax(-1) @ v16).float()  # every step rounded to bfloat16
+    print(
+        f"scaled_dot_product_attention in bfloat16: max |difference| to float32 rounded once "
+        f"{(kernel - in_fp32).abs().max():.3f}, to bfloat16 step by step "
+        f"{(step_by_step - in_fp32).abs().max():.3f} (outputs of size up to "
+        f"{in_fp32.abs().max():.1f})"
+    )
+
+
+# --- view 2: scaling ‖q‖ and ‖k‖ ------------------------------------------------------------------
 
 
 def pre_norm_qk(model, ids, layer):
@@ -220,7 +306,22 @@ def draw_norm_scale(data: dict, scale: float, head: int):
     return fig
 
 
-# --- section 6: QK-Norm removed against intact ---------------------------------------------------
+# --- section 6: QK-Norm removed against intact ----------------------------------------------------
+
+
+def without_qk_norm(model, remove_qk_norm):
+    """The same weights in a model built from the model's row with qk_norm=False, the state dict
+    passed through `remove_qk_norm` and loaded strictly; and how many tensors were dropped."""
+    row = replace(model.arch, qk_norm=False)  # the model's row of the table, without QK-Norm
+    weights = remove_qk_norm(model.state_dict())
+    new = CausalLM(model.config, arch=row).to(model.lm_head.weight.dtype)
+    new.load_state_dict(weights)  # strict: every parameter of the new model is filled
+    new.generation_config, new.source, new.is_standin = (
+        model.generation_config,
+        model.source,
+        model.is_standin,
+    )
+    return new.eval(), len(model.state_dict()) - len(weights)
 
 
 def text_loss(model, ids: torch.Tensor) -> float:
@@ -256,7 +357,7 @@ def compare(models: dict, ids, continue_with) -> dict:
     return report
 
 
-# --- view 3: layer and head explorer -------------------------------------------------------------
+# --- view 3: layer and head explorer --------------------------------------------------------------
 
 
 def head_explorer(explore: dict, model: str, layer: int) -> dict:

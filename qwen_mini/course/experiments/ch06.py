@@ -22,10 +22,11 @@ from torch import nn
 import qwen_mini
 from qwen_mini.checkpoint import meta_model
 from qwen_mini.config import Config
+from qwen_mini.course.experiments import one_thread
 from qwen_mini.rope import apply_partial_rope
 from qwen_mini.rope_scaling import rotary_cos_sin
 
-# --- section 1: router sparsity, counted on the meta device -------------------------------------
+# --- section 1: router sparsity, counted on the meta device ---------------------------------------
 
 
 def moe_counts(path: Path) -> dict:
@@ -68,7 +69,50 @@ def qwen3_moe_counts(path: Path) -> dict:
                 total=experts + embedding + rest, active=active)  # fmt: skip
 
 
-# --- section 4.1: the cost of a decoding step ---------------------------------------------------
+def print_sparsity(counts: dict) -> None:
+    """One row per config: k/E, the total, the active count and its share, and both again with
+    the embedding and head counted in (as Qwen3's cards count)."""
+    print(f"{'config':28s} {'k/E':>11s} {'total':>8s} {'active':>7s} {'share':>6s}"
+          f" {'+embedding':>10s} {'share':>6s}")  # fmt: skip
+    for name, c in counts.items():
+        cfg, with_embedding = c["cfg"], c["active"] + c["embedding"]
+        k, E = cfg.num_experts_per_tok, cfg.num_experts
+        print(f"{name:28s} {k:3d}/{E:3d} {k / E:5.2%}"
+              f" {c['total'] / 1e9:7.2f}B {c['active'] / 1e9:6.2f}B {c['active'] / c['total']:6.2%}"
+              f" {with_embedding / 1e9:9.2f}B {with_embedding / c['total']:6.2%}")  # fmt: skip
+
+
+# --- section 2: the fused projections -------------------------------------------------------------
+
+
+def copy_permuted(plain: nn.Module, fused: nn.Module, order: torch.Tensor) -> None:
+    """Give the fused layer the plain layer's weights: the conv, A_log, dt_bias, norm and out_proj
+    as they are, and the rows of the four stacked input projections [in_proj_qkv; in_proj_z;
+    in_proj_b; in_proj_a] in `order`, split into in_proj_qkvz and in_proj_ba."""
+    with torch.no_grad():
+        for name, p in plain.named_parameters():
+            if not name.startswith("in_proj"):
+                fused.get_parameter(name).copy_(p)
+        stacked = torch.cat([plain.in_proj_qkv.weight, plain.in_proj_z.weight,
+                             plain.in_proj_b.weight, plain.in_proj_a.weight])  # fmt: skip
+        qkvz_rows = fused.in_proj_qkvz.weight.shape[0]
+        fused.in_proj_qkvz.weight.copy_(stacked[order[:qkvz_rows]])
+        fused.in_proj_ba.weight.copy_(stacked[order[qkvz_rows:]])
+
+
+# --- section 4.1: which positions a query reads ---------------------------------------------------
+
+
+def plot_kept(keep: torch.Tensor, top: int, ratio: int) -> None:
+    """The mask keep [T, T] of the positions each query reads, black where kept."""
+    plt.figure(figsize=(4, 4))
+    plt.imshow(keep, cmap="Greys", interpolation="nearest")
+    plt.xlabel("key position"), plt.ylabel("query position")
+    plt.title(f"kept: top {top} blocks of {ratio} + the tail", fontsize=9)
+    plt.show()
+
+
+# --- section 4.1: the cost of a decoding step -----------------------------------------------------
 
 
 def decode_step_seconds(attention: nn.Module, cfg: Config, context: int) -> float:
@@ -101,15 +145,11 @@ def time_decode_steps(layers: dict, cfg: Config, contexts: list, repeats: int = 
     (on a shared machine, waiting threads add noise), the layers alternating so that both see
     the same machine."""
     times = {name: {n: [] for n in contexts} for name in layers}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         for n in contexts:
             for _ in range(repeats):
                 for name, layer in layers.items():
                     times[name][n].append(decode_step_seconds(layer, cfg, n))
-    finally:
-        torch.set_num_threads(threads)
     return times
 
 
@@ -128,7 +168,7 @@ def plot_decode_times(times: dict, contexts: list, budget: int) -> None:
     plt.show()
 
 
-# --- section 4.1: what is lost when the needed token is not kept --------------------------------
+# --- section 4.1: what is lost when the needed token is not kept ----------------------------------
 
 
 N_KEYS, N_VALUES = 64, 16  # a pair token is key * N_VALUES + value; query tokens come after
@@ -236,6 +276,20 @@ def train_retriever(retriever: nn.Module, cfg: Config, n_pairs: int) -> tuple[fl
     return task_loss, fit.item()
 
 
+def accuracy_by_budget(retriever, held_out, budgets: list, indexers: dict) -> dict:
+    """{label: [retrieval_accuracy at each budget]} with each of the indexer's weights in
+    `indexers` loaded in turn, on one thread; the first weights are loaded back at the end."""
+    results = {}
+    with one_thread():
+        for label, weights in indexers.items():
+            retriever.attn.indexer.load_state_dict(weights)
+            results[label] = [
+                retrieval_accuracy(retriever, *held_out, top_blocks=b) for b in budgets
+            ]
+        retriever.attn.indexer.load_state_dict(next(iter(indexers.values())))
+    return results
+
+
 def print_and_plot_retrieval(results: dict, budgets: list) -> None:
     """The accuracy table per indexer and budget (with the accuracy where the pair was read and
     where it was missed), and the figure."""
@@ -257,7 +311,7 @@ def print_and_plot_retrieval(results: dict, budgets: list) -> None:
     plt.legend(fontsize=7), plt.show()
 
 
-# --- section 5: the tiny checkpoints of the four new model types --------------------------------
+# --- section 5: the tiny checkpoints of the four new model types ----------------------------------
 
 
 # tiny configs of the four new model types: grouped KV heads, 3 DeltaNet : 1 attention layers,
@@ -332,3 +386,37 @@ def write_tiny_checkpoint(folder: Path, model_type: str, seed: int = 0) -> None:
     (folder / "config.json").write_text(json.dumps(fields, indent=1))
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def against_package(
+    rows: dict, ids: torch.Tensor, pieces=(5, 3, 1, 1, 6)
+) -> tuple[dict, nn.Module]:
+    """For each model type, a tiny checkpoint loaded twice, through `rows[model_type]` (the
+    notebook's blocks) and through the package's row: the max |logit difference| of the whole
+    prompt, and of the prompt fed in `pieces` through the cache, against the package's logits,
+    printed. Returns ({model_type: (whole, in pieces)}, the last model built from the rows)."""
+    import tempfile
+
+    diffs = {}
+    with one_thread(), tempfile.TemporaryDirectory() as tmp:
+        for model_type, row in rows.items():
+            folder = Path(tmp) / model_type
+            write_tiny_checkpoint(folder, model_type)
+            mine_model = qwen_mini.load_model(folder, dtype=torch.float32, arch=row)
+            package = qwen_mini.load_model(folder, dtype=torch.float32)
+            with torch.inference_mode():
+                want = package(ids)
+                whole = mine_model(ids)
+                cache, outs, start = mine_model.new_cache(1), [], 0
+                for n in pieces:
+                    outs.append(mine_model(ids[:, start : start + n], cache=cache))
+                    start += n
+                in_pieces = torch.cat(outs, 1)
+            d = diffs[model_type] = (
+                (whole - want).abs().max().item(),
+                (in_pieces - want).abs().max().item(),
+            )
+            print(f"{model_type:17s} max |logit diff| vs the package: whole prompt "
+                      f"{d[0]:.1e}, in pieces {d[1]:.1e}"
+                      f"  (logits up to {want.abs().max().item():.1f})")  # fmt: skip
+    return diffs, mine_model
