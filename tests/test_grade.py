@@ -329,12 +329,19 @@ def test_the_grader_and_other_submissions_are_invisible(graded):
     out = folder / "out"
     denied = [x.split()[0] for x in _printed(reports, name, "DENIED ")]
     assert denied == [str(folder), str(folder / "solution.ipynb"), str(out)]
-    # of the repository, only the package (and the Python installation) is there: no
-    # solutions or grades; of tests/, only the fixture chapter's check file, which defines
-    # the chapter's references (README: what is not guaranteed)
+    # of the repository, only the package, its data (assets/, found beside pyproject.toml)
+    # and the Python installation are there: no solutions or grades; of tests/, only the
+    # fixture chapter's check file, which defines the chapter's references (README: what is
+    # not guaranteed)
     [listed] = _printed(reports, name, "LISTED ")
     shown = set(listed.removeprefix(f"{ROOT} ").split())
-    assert "qwen_mini" in shown and shown <= {"qwen_mini", "tests", Path(sys.prefix).name}
+    assert "qwen_mini" in shown and shown <= {
+        "qwen_mini",
+        "assets",
+        "pyproject.toml",
+        "tests",
+        Path(sys.prefix).name,
+    }
     env = set(_printed(reports, name, "ENV ")[0].split())
     assert PATH_ENV not in env and "PWD" not in env and "HOME" in env
     assert not {v for v in env if v.startswith(("SUDO", "SSH", "PYTEST", "QWEN_MINI_E"))}

@@ -76,6 +76,10 @@ def visible_paths(path: list[str] | None = None) -> list[str]:
         else:
             found.append(real)
     found.append(str(PACKAGE))
+    if PACKAGE.parent.name not in SITE:  # a source checkout: its package data (config.ASSETS)
+        for name in ("assets", "pyproject.toml"):  # the top-level assets/, beside pyproject.toml
+            if os.path.exists(PACKAGE.parent / name):
+                found.append(str(PACKAGE.parent / name))
     found += [os.path.realpath(p) for p in found]  # where a link (a venv's) leads
     return _outermost(found)
 
