@@ -491,7 +491,7 @@ def test_two_notebooks_export_into_one_module(tree, capsys):
 
 
 def test_learner_copies_are_written_as_the_build_makes_them(tree, capsys, tmp_path_factory):
-    """What CI runs with nbval: the build's learner copies, never course/'s working copies."""
+    """What CI runs: the build's learner copies, never course/'s working copies."""
     built(tree, capsys)
     notebook = learners_work(tree)
     out = tmp_path_factory.mktemp("copies")

@@ -85,3 +85,34 @@ def test_the_committed_diagrams_are_what_the_script_draws():
     script = ROOT / "scripts" / "draw_diagrams.py"
     done = subprocess.run([sys.executable, script, "--check"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+# --- the notebook run that `make test` and `make site` share ------------------------------------
+
+
+def test_the_notebook_run_fails_on_a_raising_cell_and_is_reused_only_while_unchanged(
+    tmp_path, capsys
+):
+    """`make test` runs the learner copies with `run_all` (a cell that raises fails it, naming
+    the notebook and the cell) and `make site` reuses its executed copies while the notebook is
+    unchanged; a changed notebook is run again."""
+    from qwen_mini.course.site import run_all
+
+    course, executed = tmp_path / "course", tmp_path / "executed"
+    course.mkdir()
+    path = course / "ch00_x.ipynb"
+    cells = [nbformat.v4.new_code_cell("print(6 * 7)")]
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), path)
+
+    (copy,) = run_all(course, executed, jobs=1, timeout=60)
+    assert nbformat.read(copy, as_version=4).cells[0].outputs[0]["text"] == "42\n"
+    assert "ran ch00_x.ipynb" in capsys.readouterr().out
+    run_all(course, executed, jobs=1, timeout=60)
+    assert "ch00_x.ipynb: its run in" in capsys.readouterr().out  # reused, not run
+
+    cells.append(nbformat.v4.new_code_cell("raise ValueError('the broken cell')"))
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), path)
+    with pytest.raises(SystemExit) as failed:
+        run_all(course, executed, jobs=1, timeout=60)
+    assert "ch00_x.ipynb" in str(failed.value) and "the broken cell" in str(failed.value)
+    assert not copy.with_suffix(".stamp").exists()  # the failed run is never reused

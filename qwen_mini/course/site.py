@@ -16,6 +16,8 @@ the package registries, so it cannot be built on a machine that reaches PyPI and
 from __future__ import annotations
 
 import argparse
+import hashlib
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -85,8 +87,8 @@ def title(nb: dict, fallback: str) -> str:
 
 
 def executed(path: Path, timeout: int) -> dict:
-    """`path` run top to bottom in a fresh kernel in a scratch folder; widget views replaced by
-    a note (their state needs a live kernel, and its script would come from the internet)."""
+    """`path` run top to bottom in a fresh kernel in a scratch folder (widget state is not
+    stored: it needs a live kernel, and the site replaces each view, `static_outputs`)."""
     import tempfile
 
     import nbformat
@@ -99,10 +101,6 @@ def executed(path: Path, timeout: int) -> dict:
         )
         client.store_widget_state = False
         client.execute()
-    for cell in nb.cells:
-        if "outputs" in cell:
-            cell["outputs"] = static_outputs(cell["outputs"])
-    nb.metadata.pop("widgets", None)
     return nb
 
 
@@ -146,31 +144,83 @@ def attachments_as_files(nb: dict, folder: Path) -> None:
         cell.pop("attachments")
 
 
-def _run_one(job: tuple[Path, Path, int]) -> tuple[str, float]:
+def stamp(path: Path) -> str:
+    """What an executed copy of `path` depends on: the notebook, the package and its data, and
+    the check mode (QWEN_MINI_CHECKS), Python and torch: a run by `make test` is reused only
+    while they are unchanged."""
+    digest = hashlib.sha256(path.read_bytes())
+    digest.update(os.environ.get("QWEN_MINI_CHECKS", "").encode())
+    digest.update(f"{sys.version} torch {importlib.metadata.version('torch')}".encode())
+    for folder in (ROOT / "qwen_mini", ROOT / "assets"):
+        for file in sorted(folder.rglob("*")):
+            if file.is_file() and "__pycache__" not in file.parts:
+                digest.update(str(file.relative_to(ROOT)).encode() + file.read_bytes())
+    return digest.hexdigest()
+
+
+def _run_one(job: tuple[Path, Path, int]) -> tuple[str, float, str | None]:
+    """Run one notebook into `target` (and its stamp beside it); the error, if a cell raised."""
     import nbformat
+    from nbclient.exceptions import CellExecutionError
 
     path, target, timeout = job
     started = time.monotonic()
-    nb = executed(path, timeout)
-    attachments_as_files(nb, target.parent / DIAGRAMS)
+    key = stamp(path)
+    target.with_suffix(".stamp").unlink(missing_ok=True)
+    try:
+        nb = executed(path, timeout)
+    except CellExecutionError as e:  # its text names the cell and holds the traceback
+        return path.name, time.monotonic() - started, str(e)
     nbformat.write(nb, target)
-    return path.name, time.monotonic() - started
+    target.with_suffix(".stamp").write_text(key)
+    return path.name, time.monotonic() - started, None
 
 
-def build(out: Path, course: Path, jobs: int, timeout: int) -> None:
-    src = out.parent / f"{out.name}-src"
-    shutil.rmtree(src, ignore_errors=True)
-    src.mkdir(parents=True)
+def run_all(course: Path, executed_dir: Path, jobs: int, timeout: int) -> list[Path]:
+    """Every chapter notebook of `course` run top to bottom into `executed_dir`, skipping one
+    whose executed copy there is up to date (its stamp); exits naming each notebook whose cell
+    raised. Returns the executed copies."""
     notebooks = sorted(course.glob("ch*.ipynb"))
     if not notebooks:
         raise SystemExit(f"error: no chapter notebooks in {course}")
+    executed_dir.mkdir(parents=True, exist_ok=True)
+    copies = [executed_dir / p.name for p in notebooks]
+    todo = []
+    for p, copy in zip(notebooks, copies, strict=True):
+        kept = copy.with_suffix(".stamp")
+        if kept.is_file() and kept.read_text() == stamp(p):
+            print(f"{p.name}: its run in {executed_dir} is up to date", flush=True)
+        else:
+            todo.append((p, copy, timeout))
     if jobs > 1:  # each kernel on a core of its own
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-    todo = [(p, src / p.name, timeout) for p in notebooks]
+    failed = []
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        for name, seconds in pool.map(_run_one, todo):
-            print(f"ran {name} ({seconds:.0f} s)", flush=True)
-    chapters = "\n".join(p.stem for p in notebooks)
+        for name, seconds, error in pool.map(_run_one, todo):
+            print(f"ran {name} ({seconds:.0f} s){' — a cell raised' if error else ''}", flush=True)
+            if error:
+                failed.append(f"{name}:\n{error}")
+    if failed:
+        raise SystemExit("error: a cell raised in " + "\n\n".join(failed))
+    return copies
+
+
+def build(out: Path, course: Path, executed_dir: Path, jobs: int, timeout: int) -> None:
+    import nbformat
+
+    src = out.parent / f"{out.name}-src"
+    shutil.rmtree(src, ignore_errors=True)
+    src.mkdir(parents=True)
+    copies = run_all(course, executed_dir, jobs, timeout)
+    for copy in copies:
+        nb = nbformat.read(copy, as_version=4)
+        for cell in nb.cells:
+            if "outputs" in cell:
+                cell["outputs"] = static_outputs(cell["outputs"])
+        nb.metadata.pop("widgets", None)
+        attachments_as_files(nb, src / DIAGRAMS)
+        nbformat.write(nb, src / copy.name)
+    chapters = "\n".join(copy.stem for copy in copies)
     (src / "index.md").write_text(INDEX.format(chapters=chapters), encoding="utf-8")
     (src / "conf.py").write_text(CONF, encoding="utf-8")
     shutil.rmtree(out, ignore_errors=True)
@@ -183,11 +233,26 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m qwen_mini.course.site", description=__doc__)
     p.add_argument("--out", type=Path, default=ROOT / "build" / "site", help="(build/site)")
     p.add_argument("--course", type=Path, default=ROOT / "course", help="notebooks (course/)")
+    p.add_argument(
+        "--executed",
+        type=Path,
+        default=ROOT / "build" / "executed",
+        help="where the executed notebooks are kept and reused while up to date (build/executed)",
+    )
+    p.add_argument(
+        "--run-only",
+        action="store_true",
+        help="only run the notebooks (failing if a cell raises), no site: what `make test` does",
+    )
     p.add_argument("--jobs", type=int, default=2, help="notebooks run at once (2)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per cell (600)")
     args = p.parse_args(argv)
+    jobs = max(1, args.jobs)
+    if args.run_only:
+        run_all(args.course, args.executed.resolve(), jobs, args.timeout)
+        return 0
     try:
-        build(args.out.resolve(), args.course, max(1, args.jobs), args.timeout)
+        build(args.out.resolve(), args.course, args.executed.resolve(), jobs, args.timeout)
     except subprocess.CalledProcessError:
         print("error: Sphinx failed (its messages are above)", file=sys.stderr)
         return 1
