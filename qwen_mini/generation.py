@@ -21,6 +21,7 @@ from .sampling import (
 from .validation import is_whole_number
 
 DEFAULT_MAX_NEW_TOKENS = 256
+DEFAULT_DRAFT_TOKENS = 3  # drafts a round of speculative decoding (qwen_mini.speculative)
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -100,6 +101,8 @@ def generate_tokens(
     sampling: Sampling | None = None,
     seed: int | None = None,
     eos_token_ids: int | Iterable[int] | None = None,
+    draft=None,
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     **settings,
 ) -> Iterator[int]:
     """Yield new token ids one at a time, continuing `prompt_ids`.
@@ -112,6 +115,11 @@ def generate_tokens(
     max_new_tokens or after an end-of-sequence id, which is yielded last so the caller can tell
     why it stopped. With a seed the result is reproducible; without one, sampling draws from
     torch's global generator (so `torch.manual_seed` also makes it reproducible).
+
+    draft: speculative decoding (qwen_mini.speculative): "mtp", the model's own
+    multi-token-prediction head, or a smaller loaded model with the same tokenizer, drafts
+    `draft_tokens` tokens that the model checks in one pass. Greedy output is the same token
+    for token; sampled output follows the same distribution (not the same draws for a seed).
 
     Raises ValueError at the call, before any work, when prompt + max_new_tokens do not fit the
     context: max_new_tokens is a request the learner made, so it is refused, not silently
@@ -138,6 +146,14 @@ def generate_tokens(
     prompt_ids = [int(i) for i in prompt_ids]
     stop = eos_ids_for(model, eos_token_ids)
     generator = seeded_generator(seed, next(model.parameters()).device)
+    if draft is not None:
+        if not is_whole_number(draft_tokens) or draft_tokens < 1:
+            raise ValueError(f"draft_tokens must be a whole number >= 1, got {draft_tokens!r}.")
+        from .speculative import make_draft  # it builds on this module's pipeline
+
+        drafter = make_draft(draft, model)
+        return _speculative(model, drafter, prompt_ids, max_new_tokens, int(draft_tokens),
+                            sampling, generator, stop)  # fmt: skip
     return _decode(model, prompt_ids, max_new_tokens, sampling, generator, stop)
 
 
@@ -158,12 +174,38 @@ def _decode(model, prompt_ids, max_new_tokens, s: Sampling, generator, stop) -> 
     yield from decode(model, prompt_ids, max_new_tokens, choose, stop)
 
 
+@torch.inference_mode()
+def _speculative(model, drafter, prompt_ids, max_new_tokens, k, s: Sampling, generator, stop):
+    """`speculative_decode` with the penalties' masks set up as `_decode` sets them."""
+    from .speculative import speculative_decode
+
+    device = next(model.parameters()).device
+    seen = torch.zeros(model.config.vocab_size, dtype=torch.bool, device=device)
+    in_context = seen.clone()
+    in_context[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
+    yield from speculative_decode(
+        model, drafter, prompt_ids, max_new_tokens, k, s, generator, stop, seen, in_context
+    )
+
+
 def next_token(
     logits: torch.Tensor, seen: torch.Tensor, s: Sampling, generator=None, in_context=None
 ) -> int:
     """Choose the next id from one position's logits [V] with the settings `s`. `seen` marks the
     generated tokens (the presence penalty), `in_context` the prompt's and the generated ones
     (the repetition penalty; default: `seen`)."""
+    logits = penalised_logits(logits, seen, s, in_context)
+    if s.temperature == 0:
+        return int(logits.argmax())
+    probs = token_probabilities(logits, s)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def penalised_logits(
+    logits: torch.Tensor, seen: torch.Tensor, s: Sampling, in_context=None
+) -> torch.Tensor:
+    """One position's logits [V], checked finite, with the penalties of `s` applied: the first
+    half of the pipeline (the same for greedy and sampled decoding)."""
     if not torch.isfinite(logits).all():  # NaN or inf would become a token, silently
         raise NonFiniteLogitsError(
             "the model's logits hold NaN or infinite values, so no next token can be chosen. "
@@ -175,13 +217,18 @@ def next_token(
         logits = apply_repetition_penalty(logits, context, s.repetition_penalty)
     if s.presence_penalty:
         logits = apply_presence_penalty(logits, seen, s.presence_penalty)
-    if s.temperature == 0:
-        return int(logits.argmax())
+    return logits
+
+
+def token_probabilities(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """The distribution [V] a sampled token is drawn from: the filters of `s` (temperature > 0),
+    then softmax; the second half of the pipeline."""
     filtered = filter_logits(logits, s.temperature, s.top_k, s.top_p, s.min_p)
     probs = torch.softmax(filtered, dim=-1)
     if not torch.isfinite(probs).all():  # a temperature so small that logits / t overflowed:
-        return int(logits.argmax())  # the limit of a vanishing temperature is greedy
-    return int(torch.multinomial(probs, 1, generator=generator))
+        # the limit of a vanishing temperature is greedy: all the mass on the argmax
+        return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).to(probs.dtype)
+    return probs
 
 
 # --- text in, text out --------------------------------------------------------------------------
@@ -197,6 +244,8 @@ def generate(
     seed: int | None = None,
     stream: bool = False,
     eos_token_ids: int | Iterable[int] | None = None,
+    draft=None,
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     **settings,
 ):
     """Continue `prompt` and return the new text (without the prompt and the end token).
@@ -215,6 +264,7 @@ def generate(
     stream: return an iterator of text pieces instead of the text; the pieces concatenate to the
         same text and never split a multi-byte character.
     eos_token_ids: the ids that end generation (default: generation_config, then config.json).
+    draft, draft_tokens: speculative decoding with "mtp" or a draft model (see generate_tokens).
     """
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     tokens = generate_tokens(
@@ -224,6 +274,8 @@ def generate(
         sampling=sampling,
         seed=seed,
         eos_token_ids=eos_token_ids,
+        draft=draft,
+        draft_tokens=draft_tokens,
         **settings,
     )
     stop = eos_ids_for(model, eos_token_ids)
