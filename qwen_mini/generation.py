@@ -103,6 +103,7 @@ def generate_tokens(
     eos_token_ids: int | Iterable[int] | None = None,
     draft=None,
     draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+    compile: bool = False,
     **settings,
 ) -> Iterator[int]:
     """Yield new token ids one at a time, continuing `prompt_ids`.
@@ -120,6 +121,8 @@ def generate_tokens(
     multi-token-prediction head, or a smaller loaded model with the same tokenizer, drafts
     `draft_tokens` tokens that the model checks in one pass. Greedy output is the same token
     for token; sampled output follows the same distribution (not the same draws for a seed).
+    compile: decode with a preallocated cache and a fixed-shape step compiled by torch.compile
+    (qwen_mini.static_decode; the first call compiles, which takes a while). Same tokens.
 
     Raises ValueError at the call, before any work, when prompt + max_new_tokens do not fit the
     context: max_new_tokens is a request the learner made, so it is refused, not silently
@@ -146,6 +149,14 @@ def generate_tokens(
     prompt_ids = [int(i) for i in prompt_ids]
     stop = eos_ids_for(model, eos_token_ids)
     generator = seeded_generator(seed, next(model.parameters()).device)
+    if compile not in (True, False):
+        raise ValueError(f"compile must be True or False, got {compile!r}.")
+    if compile and draft is not None:
+        raise ValueError("compile=True and draft= cannot be combined yet; choose one.")
+    if compile:
+        from .static_decode import check_static
+
+        check_static(model)  # refused at the call, as the other arguments
     if draft is not None:
         if not is_whole_number(draft_tokens) or draft_tokens < 1:
             raise ValueError(f"draft_tokens must be a whole number >= 1, got {draft_tokens!r}.")
@@ -154,11 +165,13 @@ def generate_tokens(
         drafter = make_draft(draft, model)
         return _speculative(model, drafter, prompt_ids, max_new_tokens, int(draft_tokens),
                             sampling, generator, stop)  # fmt: skip
-    return _decode(model, prompt_ids, max_new_tokens, sampling, generator, stop)
+    return _decode(model, prompt_ids, max_new_tokens, sampling, generator, stop, compile)
 
 
 @torch.inference_mode()  # on a generator, torch enters the mode only while the generator runs
-def _decode(model, prompt_ids, max_new_tokens, s: Sampling, generator, stop) -> Iterator[int]:
+def _decode(
+    model, prompt_ids, max_new_tokens, s: Sampling, generator, stop, compile=False
+) -> Iterator[int]:
     """The decoder's `decode` loop (prefill once, then one token at a time through the cache),
     choosing each token with the sampling settings `s` (drawing from `generator`, if any)."""
     device = next(model.parameters()).device
@@ -171,7 +184,12 @@ def _decode(model, prompt_ids, max_new_tokens, s: Sampling, generator, stop) -> 
         seen[token] = in_context[token] = True  # for the penalties of the next steps
         return token
 
-    yield from decode(model, prompt_ids, max_new_tokens, choose, stop)
+    if compile:
+        from .static_decode import static_decode
+
+        yield from static_decode(model, prompt_ids, max_new_tokens, choose, stop)
+    else:
+        yield from decode(model, prompt_ids, max_new_tokens, choose, stop)
 
 
 @torch.inference_mode()
@@ -246,6 +264,7 @@ def generate(
     eos_token_ids: int | Iterable[int] | None = None,
     draft=None,
     draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+    compile: bool = False,
     **settings,
 ):
     """Continue `prompt` and return the new text (without the prompt and the end token).
@@ -265,6 +284,7 @@ def generate(
         same text and never split a multi-byte character.
     eos_token_ids: the ids that end generation (default: generation_config, then config.json).
     draft, draft_tokens: speculative decoding with "mtp" or a draft model (see generate_tokens).
+    compile: a compiled fixed-shape decode step (see generate_tokens).
     """
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     tokens = generate_tokens(
@@ -276,6 +296,7 @@ def generate(
         eos_token_ids=eos_token_ids,
         draft=draft,
         draft_tokens=draft_tokens,
+        compile=compile,
         **settings,
     )
     stop = eos_ids_for(model, eos_token_ids)

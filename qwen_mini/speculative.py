@@ -215,8 +215,8 @@ def make_draft(draft, model):
     devices = {next(draft.parameters()).device, next(model.parameters()).device}
     if len(devices) > 1:
         raise ValueError(
-            f"the draft model and the model are on different devices ({', '.join(map(str, devices))}); "
-            f"load both on the same one."
+            f"the draft model and the model are on different devices "
+            f"({', '.join(map(str, devices))}); load both on the same one."
         )
     return ModelDraft(draft, model)
 

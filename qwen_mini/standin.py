@@ -84,6 +84,11 @@ STANDINS = {
             rope_theta=10000000.0,
             tie_word_embeddings=True,
             eos_token_id=248044,
+            # the real checkpoint's multi-token-prediction head (mtp.*, one layer): the stand-in
+            # carries one too, with the deterministic random weights of every untrained tensor
+            # (the training script trains the main model only), so "mtp" drafts run, but its
+            # drafts are mostly rejected
+            mtp_num_hidden_layers=1,
         ),
         # the official repository has no generation_config.json
         "generation_config": {},
