@@ -111,6 +111,21 @@ def add_commands(sub) -> dict[str, argparse.ArgumentParser]:
         action="store_true",
         help="download the weights from the Hugging Face hub if not found locally",
     )
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode with a preallocated cache and a step compiled by torch.compile (the first "
+        "run compiles: slow to start); the same tokens",
+    )
+    g.add_argument(
+        "--draft",
+        metavar="mtp|MODEL",
+        help="speculative decoding: draft with the model's own MTP head (mtp) or a smaller "
+        "model of the same tokenizer (a name or folder); greedy output is unchanged",
+    )
+    g.add_argument(
+        "--draft-tokens", type=int, default=3, metavar="K", help="drafts a round (default 3)"
+    )
 
     d = sub.add_parser(
         "download",
@@ -441,6 +456,9 @@ def cmd_generate(args, arch=None) -> int:
     )
     sampling = Sampling.for_model(model, **options)
     print(f"sampling: {sampling.describe()}", file=sys.stderr)
+    draft = args.draft
+    if draft is not None and draft != "mtp":
+        draft = load_model(draft, dtype, download=args.download, device=args.device)
     pieces = generate(
         model,
         tokenizer,
@@ -449,6 +467,9 @@ def cmd_generate(args, arch=None) -> int:
         sampling=sampling,
         seed=args.seed,
         stream=True,
+        draft=draft,
+        draft_tokens=args.draft_tokens,
+        compile=args.compile,
     )
     for piece in pieces:
         sys.stdout.write(piece)
