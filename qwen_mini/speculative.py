@@ -110,6 +110,7 @@ class MTPDraft:
                 "smaller model with the same tokenizer as draft= instead."
             )
         self.model, self.mtp = model, model.mtp
+        self.proposed = self.accepted = 0  # drafts, over the whole generation
         self.cache = self.mtp.new_cache(1)
         self.device = model.lm_head.weight.device
 
@@ -154,6 +155,7 @@ class ModelDraft:
 
     def __init__(self, draft, model):
         self.draft, self.vocab = draft, model.config.vocab_size
+        self.proposed = self.accepted = 0  # drafts, over the whole generation
         self.cache = draft.new_cache(1)
         self.device = next(draft.parameters()).device
 
@@ -309,6 +311,7 @@ def speculative_decode(
                 if chosen in stop or count == max_new_tokens:
                     return
                 n += 1
+            draft.proposed, draft.accepted = draft.proposed + k, draft.accepted + n
             fed = [token] + drafts[:n]
             if n < k:  # the rejected drafts leave the caches
                 rewind(model, cache, saved, fed)
