@@ -273,6 +273,8 @@ def speculative_decode(
             torch.multinomial(token_probabilities(logits.float(), s), 1, generator=generator)
         )
 
+    if max_new_tokens == 0:
+        return
     cache, count = model.new_cache(1), 0
     with hidden_states(model) as box:
         logits = model(torch.tensor([prompt_ids], device=device), cache=cache, last_only=True)[

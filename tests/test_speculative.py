@@ -62,6 +62,8 @@ def test_greedy_speculative_stops_at_eos_and_max_new_tokens():
         )  # fmt: skip
         assert got == want
         assert greedy(model, n=5, draft=d, draft_tokens=4) == plain[:5]
+        assert greedy(model, n=1, draft=d) == plain[:1]
+        assert greedy(model, n=0, draft=d) == []
 
 
 def test_greedy_speculative_keeps_the_penalties():
