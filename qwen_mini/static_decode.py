@@ -151,7 +151,8 @@ def compiled_step(model, max_len: int) -> StaticDecoder:
     decoder.step = torch.compile(
         decoder.forward, mode="reduce-overhead" if cuda else None, dynamic=False
     )
-    model._static_decoder = decoder
+    # kept out of the model's modules: a submodule would join its state_dict (and hold the model)
+    model.__dict__["_static_decoder"] = decoder
     return decoder
 
 

@@ -29,3 +29,13 @@ def test_compile_refuses_what_it_cannot_run():
         generate_tokens(
             helpers.tiny_model("qwen3"), PROMPT, max_new_tokens=4, compile=True, draft="mtp"
         )
+
+
+def test_the_kept_compiled_step_is_not_part_of_the_model():
+    from qwen_mini.static_decode import compiled_step
+
+    model = helpers.tiny_model("qwen3")
+    before = list(model.state_dict())
+    compiled_step(model, 16)  # builds and keeps it; compiles lazily, at the first step
+    assert list(model.state_dict()) == before
+    assert all(not name.startswith("_static") for name, _ in model.named_modules())
