@@ -149,6 +149,16 @@ def generate_tokens(
     prompt_ids = [int(i) for i in prompt_ids]
     stop = eos_ids_for(model, eos_token_ids)
     generator = seeded_generator(seed, next(model.parameters()).device)
+    drafter = check_fast_options(model, draft, draft_tokens, compile)
+    if drafter is not None:
+        return _speculative(model, drafter, prompt_ids, max_new_tokens, int(draft_tokens),
+                            sampling, generator, stop)  # fmt: skip
+    return _decode(model, prompt_ids, max_new_tokens, sampling, generator, stop, compile)
+
+
+def check_fast_options(model, draft, draft_tokens, compile):
+    """Refuse, before any work, what `compile`, `draft` and `draft_tokens` cannot do with
+    `model`; return the draft object (qwen_mini.speculative) for `draft`, or None."""
     if compile not in (True, False):
         raise ValueError(f"compile must be True or False, got {compile!r}.")
     if compile and draft is not None:
@@ -157,15 +167,13 @@ def generate_tokens(
         from .static_decode import check_static
 
         check_static(model)  # refused at the call, as the other arguments
-    if draft is not None:
-        if not is_whole_number(draft_tokens) or draft_tokens < 1:
-            raise ValueError(f"draft_tokens must be a whole number >= 1, got {draft_tokens!r}.")
-        from .speculative import make_draft  # it builds on this module's pipeline
+    if draft is None:
+        return None
+    if not is_whole_number(draft_tokens) or draft_tokens < 1:
+        raise ValueError(f"draft_tokens must be a whole number >= 1, got {draft_tokens!r}.")
+    from .speculative import make_draft  # it builds on this module's pipeline
 
-        drafter = make_draft(draft, model)
-        return _speculative(model, drafter, prompt_ids, max_new_tokens, int(draft_tokens),
-                            sampling, generator, stop)  # fmt: skip
-    return _decode(model, prompt_ids, max_new_tokens, sampling, generator, stop, compile)
+    return make_draft(draft, model)
 
 
 @torch.inference_mode()  # on a generator, torch enters the mode only while the generator runs
