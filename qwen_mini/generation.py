@@ -12,20 +12,16 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from .decoding import decode
-from .sampling import (
+from .sampling import (  # the pipeline's halves and its error, also importable from here
+    NonFiniteLogitsError,  # noqa: F401  (importable from here too)
     Sampling,
-    apply_presence_penalty,
-    apply_repetition_penalty,
-    filter_logits,
+    penalised_logits,
+    token_probabilities,
 )
 from .validation import is_whole_number
 
 DEFAULT_MAX_NEW_TOKENS = 256
 DEFAULT_DRAFT_TOKENS = 3  # drafts a round of speculative decoding (qwen_mini.speculative)
-
-
-class NonFiniteLogitsError(RuntimeError):
-    """The model produced NaN or infinite logits: no token can be chosen from them."""
 
 
 def eos_ids_for(model, eos_token_ids=None) -> set[int]:
@@ -225,36 +221,6 @@ def next_token(
         return int(logits.argmax())
     probs = token_probabilities(logits, s)
     return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def penalised_logits(
-    logits: torch.Tensor, seen: torch.Tensor, s: Sampling, in_context=None
-) -> torch.Tensor:
-    """One position's logits [V], checked finite, with the penalties of `s` applied: the first
-    half of the pipeline (the same for greedy and sampled decoding)."""
-    if not torch.isfinite(logits).all():  # NaN or inf would become a token, silently
-        raise NonFiniteLogitsError(
-            "the model's logits hold NaN or infinite values, so no next token can be chosen. "
-            "Either the weights hold such values (check them with `qwen-mini doctor --scan "
-            "MODEL`) or the activations overflowed (load the model with dtype=torch.float32)."
-        )
-    if s.repetition_penalty is not None and s.repetition_penalty != 1:
-        context = seen if in_context is None else in_context
-        logits = apply_repetition_penalty(logits, context, s.repetition_penalty)
-    if s.presence_penalty:
-        logits = apply_presence_penalty(logits, seen, s.presence_penalty)
-    return logits
-
-
-def token_probabilities(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """The distribution [V] a sampled token is drawn from: the filters of `s` (temperature > 0),
-    then softmax; the second half of the pipeline."""
-    filtered = filter_logits(logits, s.temperature, s.top_k, s.top_p, s.min_p)
-    probs = torch.softmax(filtered, dim=-1)
-    if not torch.isfinite(probs).all():  # a temperature so small that logits / t overflowed:
-        # the limit of a vanishing temperature is greedy: all the mass on the argmax
-        return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).to(probs.dtype)
-    return probs
 
 
 # --- text in, text out --------------------------------------------------------------------------

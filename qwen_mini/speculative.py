@@ -34,8 +34,7 @@ from contextlib import contextmanager
 import torch
 
 from .cache import Cache
-from .generation import penalised_logits, token_probabilities
-from .sampling import Sampling
+from .sampling import Sampling, penalised_logits, token_probabilities
 
 
 @contextmanager
