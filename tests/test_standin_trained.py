@@ -136,7 +136,7 @@ def test_the_trained_mtp_head_drafts_well():
     """Qwen3.5's stand-in's MTP head, trained on the frozen main model, on the held-out book:
     from 3 prompts of 16 tokens of Jonah, greedy speculative decoding gives the plain greedy
     tokens, and far more of its drafts are accepted than the same head's with its random
-    initial weights (measured: ACCEPTED; with random weights none)."""
+    initial weights (measured: 41 % of single drafts, 21 % three at a time; random: none)."""
     from qwen_mini.generation import generate_tokens
     from qwen_mini.standin import SEED, _random_weights
 
@@ -156,4 +156,4 @@ def test_the_trained_mtp_head_drafts_well():
     random_rate, outs = _drafting(untrained, prompts, 1)
     assert outs == plain
     assert random_rate < 0.05, random_rate
-    assert rates[1] > 0.3 and rates[3] > 0.15, rates
+    assert rates[1] > 0.2 and rates[3] > 0.1, rates
