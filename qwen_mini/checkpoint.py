@@ -142,6 +142,11 @@ def _dim_fields(cfg: Config) -> dict[int, list[str]]:
 def _hint(name: str, cfg: Config, arch: Architecture) -> str:
     """Which config.json field (or fact of the architecture row) decides whether `name` should
     exist."""
+    if name.startswith("mtp."):
+        return (
+            f"config.json says mtp_num_hidden_layers = {cfg.mtp_num_hidden_layers} (the "
+            f"multi-token-prediction head)"
+        )
     m = re.search(r"layers\.(\d+)\.", name)
     if m and int(m.group(1)) >= cfg.num_hidden_layers:
         return f"config.json says num_hidden_layers = {cfg.num_hidden_layers}"
@@ -683,6 +688,10 @@ def load_checkpoint(
         raise CheckpointError(str(e)) from None
     generation_config = _generation_config(folder / "generation_config.json")
     where, stored = _stored_tensors(folder, cfg)
+    if cfg.mtp_num_hidden_layers and not any(name.startswith("mtp.") for name in stored):
+        # config.json describes an MTP head the weights do not carry (a checkpoint saved by
+        # transformers drops it): the model is built without one, and cannot draft with it
+        cfg = replace(cfg, mtp_num_hidden_layers=0)
     check_size(cfg, stored, where, config_file, dtype)
     model = meta_model(cfg, arch)  # built once: what to expect, then what to fill
     files = sorted({path for path, _, _ in stored.values()})

@@ -111,6 +111,7 @@ def add_commands(sub) -> dict[str, argparse.ArgumentParser]:
         action="store_true",
         help="download the weights from the Hugging Face hub if not found locally",
     )
+    add_fast_options(g)
 
     d = sub.add_parser(
         "download",
@@ -297,6 +298,35 @@ CHAT_HELP = """The chat's commands:
 Any other line is sent to the model; start it with // to send a line that begins with /."""
 
 
+def add_fast_options(parser) -> None:
+    """generate's and chat's --compile, --draft and --draft-tokens."""
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode with a preallocated cache and a step compiled by torch.compile (the first "
+        "run compiles: slow to start); the same tokens",
+    )
+    parser.add_argument(
+        "--draft",
+        metavar="mtp|MODEL",
+        help="speculative decoding: draft with the model's own MTP head (mtp) or a smaller "
+        "model of the same tokenizer (a name or folder); greedy output is unchanged",
+    )
+    parser.add_argument(
+        "--draft-tokens", type=int, default=3, metavar="K", help="drafts a round (default 3)"
+    )
+
+
+def load_draft(args, dtype=None):
+    """--draft: "mtp", None, or the draft model it names, loaded as the model is."""
+    if args.draft is None or args.draft == "mtp":
+        return args.draft
+    from .hub import load_model
+
+    download = getattr(args, "download", False)
+    return load_model(args.draft, dtype, download=download, device=args.device)
+
+
 def add_chat_parser(sub) -> argparse.ArgumentParser:
     c = sub.add_parser(
         "chat",
@@ -328,6 +358,7 @@ def add_chat_parser(sub) -> argparse.ArgumentParser:
     c.add_argument("--temperature", type=float, help="default: the mode's preset; 0 = greedy")
     c.add_argument("--seed", type=int, help="makes sampling reproducible")
     c.add_argument("--device", default="cpu", help=DEVICE_HELP)
+    add_fast_options(c)
     return c
 
 
@@ -335,6 +366,7 @@ def cmd_chat(args, arch=None) -> int:
     """`arch`: a row of the table to build the model from (the course's --mine), else the
     package's."""
     from .chat import ChatSession
+    from .fast_chat import FastChatSession
     from .hub import load_model
     from .tokenizer import load_tokenizer
 
@@ -343,12 +375,17 @@ def cmd_chat(args, arch=None) -> int:
     model = load_model(args.model, device=args.device, arch=arch)
     tokenizer = load_tokenizer(args.model)
     fill_defaults(args, model, max_new_tokens=1024)
+    draft = load_draft(args)
+    fast = dict(compile=args.compile, draft=draft, draft_tokens=args.draft_tokens)
 
     def new_session():
-        return ChatSession(
-            model, tokenizer, thinking=args.think, budget=args.budget, system=args.system,
+        options = dict(
+            thinking=args.think, budget=args.budget, system=args.system,
             max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature,
         )  # fmt: skip
+        if args.compile or draft is not None:
+            return FastChatSession(model, tokenizer, **fast, **options)
+        return ChatSession(model, tokenizer, **options)
 
     session = new_session()
     tty = sys.stdout.isatty()
@@ -402,9 +439,11 @@ def cmd_chat(args, arch=None) -> int:
                 print(piece, end="", flush=True)
             t = session.turns[-1]
             rate = t["generated"] / t["seconds"] if t["seconds"] > 0 else float("inf")
+            drafts = (f"; {t['accepted']} of {t['proposed']} drafts accepted"
+                      if t.get("proposed") else "")  # fmt: skip
             print(f"{reset}\n{dim}({t['generated']} tokens, {t['thinking']} thinking; "
                   f"{rate:.1f} tokens/s; prompt {t['prompt']} tokens, {t['reused']} reused "
-                  f"from the cache){reset}")  # fmt: skip
+                  f"from the cache{drafts}){reset}")  # fmt: skip
     except KeyboardInterrupt:
         print(f"{reset}\n(bye)")
         return 0
@@ -441,6 +480,7 @@ def cmd_generate(args, arch=None) -> int:
     )
     sampling = Sampling.for_model(model, **options)
     print(f"sampling: {sampling.describe()}", file=sys.stderr)
+    draft = load_draft(args, dtype)
     pieces = generate(
         model,
         tokenizer,
@@ -449,6 +489,9 @@ def cmd_generate(args, arch=None) -> int:
         sampling=sampling,
         seed=args.seed,
         stream=True,
+        draft=draft,
+        draft_tokens=args.draft_tokens,
+        compile=args.compile,
     )
     for piece in pieces:
         sys.stdout.write(piece)

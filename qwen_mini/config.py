@@ -121,6 +121,9 @@ class Config:
     split_ngram_parts: int = 512  # the table is stored in this many shards
     # ... and the activation of the DeltaNet output gate ("": hidden_act, silu)
     output_gate_type: str = ""
+    # multi-token prediction (Qwen3-Next, Qwen3.5, Qwen3.8): decoder layers of the `mtp.` head
+    # that drafts the token after next (0: none; qwen_mini.mtp)
+    mtp_num_hidden_layers: int = 0
 
     def __post_init__(self):
         """The derived fields, in this one place: the layer types and head_dim left at their
@@ -241,6 +244,8 @@ class Config:
             **{name: get(name) for name in QWEN4_FIELDS},
             ple_layer_ids=tuple(t.get("ple_layer_ids") or ()),
             output_gate_type=t.get("output_gate_type") or "",
+            # Qwen3-Next's config.json names it num_nextn_predict_layers (as DeepSeek-V3's)
+            mtp_num_hidden_layers=get("mtp_num_hidden_layers", "num_nextn_predict_layers"),
         )
 
 

@@ -12,19 +12,16 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from .decoding import decode
-from .sampling import (
+from .sampling import (  # the pipeline's halves and its error, also importable from here
+    NonFiniteLogitsError,  # noqa: F401  (importable from here too)
     Sampling,
-    apply_presence_penalty,
-    apply_repetition_penalty,
-    filter_logits,
+    penalised_logits,
+    token_probabilities,
 )
 from .validation import is_whole_number
 
 DEFAULT_MAX_NEW_TOKENS = 256
-
-
-class NonFiniteLogitsError(RuntimeError):
-    """The model produced NaN or infinite logits: no token can be chosen from them."""
+DEFAULT_DRAFT_TOKENS = 3  # drafts a round of speculative decoding (qwen_mini.speculative)
 
 
 def eos_ids_for(model, eos_token_ids=None) -> set[int]:
@@ -100,6 +97,9 @@ def generate_tokens(
     sampling: Sampling | None = None,
     seed: int | None = None,
     eos_token_ids: int | Iterable[int] | None = None,
+    draft=None,
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+    compile: bool = False,
     **settings,
 ) -> Iterator[int]:
     """Yield new token ids one at a time, continuing `prompt_ids`.
@@ -112,6 +112,13 @@ def generate_tokens(
     max_new_tokens or after an end-of-sequence id, which is yielded last so the caller can tell
     why it stopped. With a seed the result is reproducible; without one, sampling draws from
     torch's global generator (so `torch.manual_seed` also makes it reproducible).
+
+    draft: speculative decoding (qwen_mini.speculative): "mtp", the model's own
+    multi-token-prediction head, or a smaller loaded model with the same tokenizer, drafts
+    `draft_tokens` tokens that the model checks in one pass. Greedy output is the same token
+    for token; sampled output follows the same distribution (not the same draws for a seed).
+    compile: decode with a preallocated cache and a fixed-shape step compiled by torch.compile
+    (qwen_mini.static_decode; the first call compiles, which takes a while). Same tokens.
 
     Raises ValueError at the call, before any work, when prompt + max_new_tokens do not fit the
     context: max_new_tokens is a request the learner made, so it is refused, not silently
@@ -138,11 +145,37 @@ def generate_tokens(
     prompt_ids = [int(i) for i in prompt_ids]
     stop = eos_ids_for(model, eos_token_ids)
     generator = seeded_generator(seed, next(model.parameters()).device)
-    return _decode(model, prompt_ids, max_new_tokens, sampling, generator, stop)
+    drafter = check_fast_options(model, draft, draft_tokens, compile)
+    if drafter is not None:
+        return _speculative(model, drafter, prompt_ids, max_new_tokens, int(draft_tokens),
+                            sampling, generator, stop)  # fmt: skip
+    return _decode(model, prompt_ids, max_new_tokens, sampling, generator, stop, compile)
+
+
+def check_fast_options(model, draft, draft_tokens, compile):
+    """Refuse, before any work, what `compile`, `draft` and `draft_tokens` cannot do with
+    `model`; return the draft object (qwen_mini.speculative) for `draft`, or None."""
+    if compile not in (True, False):
+        raise ValueError(f"compile must be True or False, got {compile!r}.")
+    if compile and draft is not None:
+        raise ValueError("compile=True and draft= cannot be combined yet; choose one.")
+    if compile:
+        from .static_decode import check_static
+
+        check_static(model)  # refused at the call, as the other arguments
+    if draft is None:
+        return None
+    if not is_whole_number(draft_tokens) or draft_tokens < 1:
+        raise ValueError(f"draft_tokens must be a whole number >= 1, got {draft_tokens!r}.")
+    from .speculative import make_draft  # it builds on this module's pipeline
+
+    return make_draft(draft, model)
 
 
 @torch.inference_mode()  # on a generator, torch enters the mode only while the generator runs
-def _decode(model, prompt_ids, max_new_tokens, s: Sampling, generator, stop) -> Iterator[int]:
+def _decode(
+    model, prompt_ids, max_new_tokens, s: Sampling, generator, stop, compile=False
+) -> Iterator[int]:
     """The decoder's `decode` loop (prefill once, then one token at a time through the cache),
     choosing each token with the sampling settings `s` (drawing from `generator`, if any)."""
     device = next(model.parameters()).device
@@ -155,7 +188,26 @@ def _decode(model, prompt_ids, max_new_tokens, s: Sampling, generator, stop) -> 
         seen[token] = in_context[token] = True  # for the penalties of the next steps
         return token
 
-    yield from decode(model, prompt_ids, max_new_tokens, choose, stop)
+    if compile:
+        from .static_decode import static_decode
+
+        yield from static_decode(model, prompt_ids, max_new_tokens, choose, stop)
+    else:
+        yield from decode(model, prompt_ids, max_new_tokens, choose, stop)
+
+
+@torch.inference_mode()
+def _speculative(model, drafter, prompt_ids, max_new_tokens, k, s: Sampling, generator, stop):
+    """`speculative_decode` with the penalties' masks set up as `_decode` sets them."""
+    from .speculative import speculative_decode
+
+    device = next(model.parameters()).device
+    seen = torch.zeros(model.config.vocab_size, dtype=torch.bool, device=device)
+    in_context = seen.clone()
+    in_context[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
+    yield from speculative_decode(
+        model, drafter, prompt_ids, max_new_tokens, k, s, generator, stop, seen, in_context
+    )
 
 
 def next_token(
@@ -164,23 +216,10 @@ def next_token(
     """Choose the next id from one position's logits [V] with the settings `s`. `seen` marks the
     generated tokens (the presence penalty), `in_context` the prompt's and the generated ones
     (the repetition penalty; default: `seen`)."""
-    if not torch.isfinite(logits).all():  # NaN or inf would become a token, silently
-        raise NonFiniteLogitsError(
-            "the model's logits hold NaN or infinite values, so no next token can be chosen. "
-            "Either the weights hold such values (check them with `qwen-mini doctor --scan "
-            "MODEL`) or the activations overflowed (load the model with dtype=torch.float32)."
-        )
-    if s.repetition_penalty is not None and s.repetition_penalty != 1:
-        context = seen if in_context is None else in_context
-        logits = apply_repetition_penalty(logits, context, s.repetition_penalty)
-    if s.presence_penalty:
-        logits = apply_presence_penalty(logits, seen, s.presence_penalty)
+    logits = penalised_logits(logits, seen, s, in_context)
     if s.temperature == 0:
         return int(logits.argmax())
-    filtered = filter_logits(logits, s.temperature, s.top_k, s.top_p, s.min_p)
-    probs = torch.softmax(filtered, dim=-1)
-    if not torch.isfinite(probs).all():  # a temperature so small that logits / t overflowed:
-        return int(logits.argmax())  # the limit of a vanishing temperature is greedy
+    probs = token_probabilities(logits, s)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
@@ -197,6 +236,9 @@ def generate(
     seed: int | None = None,
     stream: bool = False,
     eos_token_ids: int | Iterable[int] | None = None,
+    draft=None,
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+    compile: bool = False,
     **settings,
 ):
     """Continue `prompt` and return the new text (without the prompt and the end token).
@@ -215,6 +257,8 @@ def generate(
     stream: return an iterator of text pieces instead of the text; the pieces concatenate to the
         same text and never split a multi-byte character.
     eos_token_ids: the ids that end generation (default: generation_config, then config.json).
+    draft, draft_tokens: speculative decoding with "mtp" or a draft model (see generate_tokens).
+    compile: a compiled fixed-shape decode step (see generate_tokens).
     """
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     tokens = generate_tokens(
@@ -224,6 +268,9 @@ def generate(
         sampling=sampling,
         seed=seed,
         eos_token_ids=eos_token_ids,
+        draft=draft,
+        draft_tokens=draft_tokens,
+        compile=compile,
         **settings,
     )
     stop = eos_ids_for(model, eos_token_ids)

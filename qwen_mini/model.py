@@ -12,6 +12,7 @@ from torch import nn
 from .architectures import Architecture, architecture, check_config
 from .cache import Cache
 from .config import Config
+from .mtp import MTP
 
 
 class Backbone(nn.Module):
@@ -47,6 +48,8 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if cfg.mtp_num_hidden_layers:  # the multi-token-prediction head (`mtp.`), for drafting
+            self.mtp = MTP(cfg, arch)  # registered last: the main weights keep their order
         self.generation_config, self.source, self.is_standin = {}, "built by hand", False
 
     def new_cache(self, batch_size: int = 1) -> Cache:

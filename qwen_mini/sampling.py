@@ -28,6 +28,10 @@ from .validation import is_number, is_whole_number
 # --- the filters: each takes logits [..., V] and returns new logits [..., V] -------------------
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """The model produced NaN or infinite logits: no token can be chosen from them."""
+
+
 def apply_presence_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float):
     """Subtract `penalty` once from every token marked in the boolean mask `seen` [V].
 
@@ -210,3 +214,33 @@ def check_generation_config(gc: dict) -> None:
         ids = eos if isinstance(eos, list) else [eos]
         if not all(is_whole_number(i) and i >= 0 for i in ids):
             raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}.")
+
+
+def penalised_logits(
+    logits: torch.Tensor, seen: torch.Tensor, s: Sampling, in_context=None
+) -> torch.Tensor:
+    """One position's logits [V], checked finite, with the penalties of `s` applied: the first
+    half of the pipeline (the same for greedy and sampled decoding)."""
+    if not torch.isfinite(logits).all():  # NaN or inf would become a token, silently
+        raise NonFiniteLogitsError(
+            "the model's logits hold NaN or infinite values, so no next token can be chosen. "
+            "Either the weights hold such values (check them with `qwen-mini doctor --scan "
+            "MODEL`) or the activations overflowed (load the model with dtype=torch.float32)."
+        )
+    if s.repetition_penalty is not None and s.repetition_penalty != 1:
+        context = seen if in_context is None else in_context
+        logits = apply_repetition_penalty(logits, context, s.repetition_penalty)
+    if s.presence_penalty:
+        logits = apply_presence_penalty(logits, seen, s.presence_penalty)
+    return logits
+
+
+def token_probabilities(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """The distribution [V] a sampled token is drawn from: the filters of `s` (temperature > 0),
+    then softmax; the second half of the pipeline."""
+    filtered = filter_logits(logits, s.temperature, s.top_k, s.top_p, s.min_p)
+    probs = torch.softmax(filtered, dim=-1)
+    if not torch.isfinite(probs).all():  # a temperature so small that logits / t overflowed:
+        # the limit of a vanishing temperature is greedy: all the mass on the argmax
+        return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).to(probs.dtype)
+    return probs

@@ -9,7 +9,8 @@ The stand-ins of Qwen3-0.6B and Qwen3.5-0.8B are trained (scripts/train_standins
 assets/standins/) on about 120,000 tokens of narrative books of the King James Bible (public
 domain), so they write simple English in that style: real words, mostly grammatical, with no
 knowledge and no reasoning. Qwen3-0.6B's also saw chat turns, so it closes a think block and
-answers. The Qwen2.5-0.5B stand-in keeps random weights: its text is gibberish.
+answers; Qwen3.5-0.8B's multi-token-prediction head is trained too, so it drafts for
+speculative decoding. The Qwen2.5-0.5B stand-in keeps random weights: its text is gibberish.
 Their weights go through the same validation and assignment as a real checkpoint's.
 """
 
@@ -84,6 +85,11 @@ STANDINS = {
             rope_theta=10000000.0,
             tie_word_embeddings=True,
             eos_token_id=248044,
+            # the real checkpoint's multi-token-prediction head (mtp.*, one layer): the stand-in
+            # carries one too, trained after the main model (which stays as it was) to guess
+            # the token after next from its last hidden state, so draft="mtp" drafts as on the
+            # real model (acceptance on the held-out book: assets/standins/qwen3.5-0.8b.json)
+            mtp_num_hidden_layers=1,
         ),
         # the official repository has no generation_config.json
         "generation_config": {},

@@ -45,6 +45,8 @@ COUNTS = (
     "linear_value_head_dim",
     "linear_conv_kernel_dim",
     "max_window_layers",
+    "mtp_num_hidden_layers",
+    "num_nextn_predict_layers",
 )
 NULLABLE_SIZES = ("head_dim", "sliding_window")  # null: worked out from other fields / no window
 FLAGS = ("tie_word_embeddings", "attention_bias", "attn_output_gate", "norm_topk_prob")

@@ -36,12 +36,14 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from qwen_mini.architectures import config_from_dict
 from qwen_mini.checkpoint import build_model, checkpoint_name, meta_model
 from qwen_mini.runtime import ThreadedLinear
-from qwen_mini.standin import STANDINS, TRAINED, standin_file
+from qwen_mini.sampling import Sampling
+from qwen_mini.speculative import hidden_states, make_draft, speculative_decode
+from qwen_mini.standin import STANDINS, TRAINED, load_standin, standin_file
 from qwen_mini.standin import _random_weights as random_weights
 from qwen_mini.tokenizer import load_tokenizer
 
@@ -63,6 +65,8 @@ STEPS = 1500
 BATCH, LENGTH = 16, 128  # sequences of LENGTH tokens per step
 LR, WARMUP, WEIGHT_DECAY = 1e-2, 100, 0.01
 LOG_EVERY = 50
+# the MTP head (Qwen3.5's `mtp.*`), trained afterwards on the frozen, stored main model
+MTP_STEPS, MTP_LR, MTP_WARMUP = 600, 1e-2, 50
 CHAT_SHARE = 0.125  # the share of sequences that are chat turns (Qwen3's template)
 
 
@@ -187,6 +191,14 @@ def batch(stream, chat, g: torch.Generator) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
+    """Linear warm-up, then cosine to a tenth."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
 def train(name: str, steps: int = STEPS, seed: int = SEED, log=print, stop_after=None, record=None):
     """Train `name`'s stand-in for `steps` steps from `seed`: (model, config, used ids, log).
 
@@ -208,17 +220,11 @@ def train(name: str, steps: int = STEPS, seed: int = SEED, log=print, stop_after
         betas=(0.9, 0.95),
     )
 
-    def lr_at(step):  # linear warm-up, then cosine to a tenth
-        if step < WARMUP:
-            return LR * (step + 1) / WARMUP
-        t = (step - WARMUP) / max(1, steps - WARMUP)
-        return LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
-
     g = torch.Generator().manual_seed(seed)
     losses, t0, running = [], time.time(), []
     for step in range(steps if stop_after is None else stop_after):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step)
+            group["lr"] = lr_at(step, steps, LR, WARMUP)
         x = batch(stream, chat, g)
         logits = model(x[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
@@ -257,20 +263,165 @@ def train(name: str, steps: int = STEPS, seed: int = SEED, log=print, stop_after
 
 def weights_to_store(model, cfg, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """The file's tensors by checkpoint name, in bfloat16: the used rows of the embedding, their
-    ids (`used_ids`), every other weight (the tied head is not stored)."""
+    ids (`used_ids`), every other weight (the tied head is not stored; the MTP head, which the
+    main training leaves untouched, is trained and stored by `add_mtp`)."""
     out = {}
     for key, value in model.state_dict().items():
-        if key == "lm_head.weight" or key.startswith("lm_head."):
+        if key.startswith(("lm_head.", "mtp.")):
             continue
         out[checkpoint_name(key, cfg, model.arch)] = value.detach().to(torch.bfloat16).clone()
     out["used_ids"] = ids.to(torch.int64)
     return out
 
 
+# --- the MTP head ----------------------------------------------------------------------------
+
+
+def stored_compact_model(name: str):
+    """The compact model (float32) holding the weights of standin_file(name) as stored (rounded
+    to bfloat16): the main model exactly as shipped. Returns (model, config, used ids, the
+    stored tensors by checkpoint name)."""
+    stored = load_file(str(standin_file(name)))
+    ids = stored["used_ids"]
+    model, cfg = compact_model(name, len(ids), SEED)
+    with torch.no_grad():
+        for key, value in model.state_dict().items():
+            stored_name = checkpoint_name(key, cfg, model.arch)
+            if key.startswith("mtp."):  # the MTP head starts from its random initialisation
+                continue
+            if stored_name in stored:
+                value.copy_(stored[stored_name])
+            elif not key.startswith("lm_head."):  # the tied head is the embedding
+                raise KeyError(f"{standin_file(name)} has no {stored_name}: train {name} first")
+    return model, cfg, ids, stored
+
+
+def mtp_inputs(model, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From windows x [B, L + 1]: the MTP's inputs and targets, as it drafts (qwen_mini.mtp):
+    the main model's last hidden state h_t after its final norm [B, L - 1, H], the embedding of
+    token t + 1 [B, L - 1, H], and token t + 2 [B, L - 1], for t = 0 .. L - 2."""
+    with torch.no_grad(), hidden_states(model) as box:
+        model(x[:, :-1])
+    return box["h"][:, :-1], model.model.embed_tokens(x[:, 1:-1]).detach(), x[:, 2:]
+
+
+def train_mtp(name: str, steps: int = MTP_STEPS, seed: int = SEED, log=print):
+    """Train the MTP head (`mtp.*`) of `name`'s stand-in on top of its stored main model, which
+    stays frozen (its weights and their log do not change), on the main model's training text:
+    from h_t and the embedding of t + 1, predict t + 2 through the tied head. Returns (the
+    trained mtp.* tensors by checkpoint name, in bfloat16; the log)."""
+    torch.manual_seed(seed)
+    model, cfg, ids, _ = stored_compact_model(name)
+    docs, chats = training_text(name)
+    remap = torch.full((STANDINS[name]["config"]["vocab_size"],), -1, dtype=torch.long)
+    remap[ids] = torch.arange(len(ids))
+    stream, chat = sequences(docs, chats, remap)
+    model.eval()  # no dropout anywhere; the frozen main model only reads
+    params = dict(model.mtp.named_parameters())
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in params.values():
+        p.requires_grad_(True)
+    decay = [p for p in params.values() if p.dim() >= 2]
+    rest = [p for p in params.values() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0.0}],
+        lr=MTP_LR,
+        betas=(0.9, 0.95),
+    )
+    g = torch.Generator().manual_seed(seed)
+    losses, t0, running = [], time.time(), []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, MTP_LR, MTP_WARMUP)
+        h, e, target = mtp_inputs(model, batch(stream, chat, g))
+        logits = model.lm_head(model.mtp(e, h))  # [B, L - 1, used + 1]
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
+        opt.step()
+        running.append(loss.item())
+        if (step + 1) % LOG_EVERY == 0 or step == 0:
+            losses.append([step + 1, sum(running) / len(running)])
+            log(f"{name} MTP step {step + 1}: loss {losses[-1][1]:.3f} ({time.time() - t0:.0f} s)")
+            running = []
+    tensors = {
+        checkpoint_name(f"mtp.{k}", cfg, model.arch): p.detach().to(torch.bfloat16).clone()
+        for k, p in params.items()
+    }
+    record = {
+        "objective": "token t+2 from the main model's normed last hidden state h_t and the "
+        "embedding of token t+1, through the tied head; main model frozen (as stored)",
+        "seed": seed,
+        "steps": steps,
+        "batch": BATCH,
+        "length": LENGTH,
+        "lr": MTP_LR,
+        "seconds": round(time.time() - t0),
+        "loss_mean_per_steps": [[s, round(v, 4)] for s, v in losses],
+    }
+    return tensors, record
+
+
+def mtp_acceptance(
+    name: str, draft_tokens: int = 3, prompts: int = 8, new: int = 48, tensors=None
+) -> dict:
+    """How well the shipped stand-in's MTP head (or `tensors`, mtp.* by name) drafts, on the
+    held-out book: greedy speculative decoding from `prompts` windows of 16 tokens of it
+    (spread over the book), `new` tokens each; the share of drafts accepted, with
+    draft_tokens = 1 and `draft_tokens`. And on the book itself (its first 1024 tokens): how
+    often the head's guess for token t + 2 is the model's own greedy choice there."""
+    model, ids = load_standin(name), held_out_ids(name)
+    if tensors is not None:
+        model.load_state_dict({**model.state_dict(), **tensors})
+    x = torch.tensor([ids[:1024]])
+    with torch.inference_mode(), hidden_states(model) as box:
+        main = model(x).argmax(-1)[0]  # [T]: the model's choice for token t + 1
+        guess = model.lm_head(model.mtp(model.model.embed_tokens(x[:, 1:]), box["h"][:, :-1]))
+    agree = (guess.argmax(-1)[0] == main[1:]).float().mean().item()
+    out = {"text": f"{HELD_OUT} (held out), {prompts} prompts of 16 tokens, {new} new tokens"}
+    out["agreement_on_the_text"] = round(agree, 3)
+    for k in sorted({1, draft_tokens}):
+        proposed = accepted = 0
+        for i in range(prompts):
+            start = i * (len(ids) - 16) // prompts
+            draft = make_draft("mtp", model)
+            s = Sampling(temperature=0)
+            seen = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+            with torch.inference_mode():
+                list(speculative_decode(model, draft, ids[start : start + 16], new, k, s, None,
+                                        (), seen, seen.clone()))  # fmt: skip
+            proposed, accepted = proposed + draft.proposed, accepted + draft.accepted
+        out[f"acceptance_k{k}"] = round(accepted / proposed, 3)
+    return out
+
+
+def add_mtp(name: str, steps: int = MTP_STEPS) -> None:
+    """Train the MTP head on the stored main model, add it to the stored file and its log, with
+    its acceptance on the held-out book."""
+    tensors, record = train_mtp(name, steps)
+    path = standin_file(name)
+    stored = {k: v for k, v in load_file(str(path)).items() if not k.startswith("mtp.")}
+    save_file({**stored, **tensors}, str(path), metadata={"model": name})
+    record["held_out"] = mtp_acceptance(name)
+    print(f"{name} MTP: {record['held_out']}")
+    log_path = path.with_suffix(".json")
+    log = json.loads(log_path.read_text())
+    log["mtp"] = record
+    log_path.write_text(json.dumps(log, indent=1) + "\n")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("models", nargs="*", default=list(TRAINED))
     p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--mtp-steps", type=int, default=MTP_STEPS)
+    p.add_argument(
+        "--mtp-only",
+        action="store_true",
+        help="train only the MTP head, on the stored main model (which does not change)",
+    )
     p.add_argument("--extract", nargs=2, metavar=("BIBLE", "DATA_DIR"))
     args = p.parse_args(argv)
     if args.extract:
@@ -281,11 +432,14 @@ def main(argv=None) -> int:
         1
     )  # one thread: the same sums on every machine, and no wait for a busy core
     for name in args.models:
-        model, cfg, ids, record = train(name, args.steps)
         path = standin_file(name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(weights_to_store(model, cfg, ids), str(path), metadata={"model": name})
-        path.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+        if not args.mtp_only:
+            model, cfg, ids, record = train(name, args.steps)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_file(weights_to_store(model, cfg, ids), str(path), metadata={"model": name})
+            path.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+        if STANDINS[name]["config"].get("mtp_num_hidden_layers"):
+            add_mtp(name, args.mtp_steps)
         print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
     return 0
 

@@ -362,3 +362,21 @@ def test_generate_on_the_standin_is_short_and_says_why(capsys):
     capsys.readouterr()
     assert main(["generate", STANDIN, "Hi", "--max-new-tokens", "2"]) == 0
     assert "default to" not in capsys.readouterr().err  # asked for: nothing to explain
+
+
+def test_generate_with_a_draft_prints_the_greedy_text(capsys):
+    """--draft mtp (the Qwen3.5 stand-in's MTP head) and --draft MODEL (a model drafting for
+    itself) give the text of plain greedy decoding."""
+    name = "Qwen/Qwen3.5-0.8B"
+    argv = ["generate", name, "In the beginning", "--max-new-tokens", "8", "--temperature", "0",
+            "--dtype", "float32"]  # fmt: skip
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    for draft in ("mtp", name):
+        assert main([*argv, "--draft", draft, "--draft-tokens", "2"]) == 0
+        assert capsys.readouterr().out == plain, draft
+
+
+def test_generate_draft_mtp_without_a_head_is_a_readable_error(capsys):
+    assert main(["generate", STANDIN, "Hi", "--draft", "mtp", "--max-new-tokens", "2"]) == 1
+    assert "no multi-token-prediction head" in capsys.readouterr().err

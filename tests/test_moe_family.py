@@ -331,14 +331,19 @@ def _text(model) -> dict[str, tuple[int, ...]]:
 
 def test_real_names_and_shapes_equal_transformers(real):
     folder, cfg, ours, theirs = real
-    assert expected_shapes(cfg, ours) == _text(theirs)  # both hold the experts fused
+    got = expected_shapes(cfg, ours)
+    # the MTP head a config.json describes (mtp_num_hidden_layers: 1): transformers has none
+    assert ("mtp.fc.weight" in got) == (cfg.mtp_num_hidden_layers == 1)
+    got = {n: shape for n, shape in got.items() if not n.startswith("mtp.")}
+    assert got == _text(theirs)  # both hold the experts fused
     assert all(p.is_meta for p in ours.parameters())  # nothing was allocated
 
 
 def test_real_parameter_counts_are_the_published_sizes(real):
     folder, cfg, ours, theirs = real
-    total = sum(p.numel() for p in ours.parameters())
-    experts = sum(p.numel() for n, p in ours.named_parameters() if ".mlp.experts." in n)
+    main = [(n, p) for n, p in ours.named_parameters() if not n.startswith("mtp.")]  # as theirs
+    total = sum(p.numel() for _, p in main)
+    experts = sum(p.numel() for n, p in main if ".mlp.experts." in n)
     assert total == sum(p.numel() for n, p in theirs.named_parameters() if ".visual." not in n)
     # every sparse layer has E equal experts of which a token uses k
     active = total - experts + experts * cfg.num_experts_per_tok // cfg.num_experts
@@ -359,6 +364,8 @@ def test_real_config_without_weights_says_what_is_missing_and_the_memory(real, t
     message = str(err.value)
     assert "no weights found" in message and "model.safetensors" in message
     text = _text(theirs)
+    # and the MTP head the config describes (transformers has none): the release carries it
+    text |= {n: s for n, s in expected_shapes(cfg, ours).items() if n.startswith("mtp.")}
     total = sum(torch.Size(s).numel() for s in text.values())
     stated = json.loads((folder / "config.json").read_text())
     assert (stated.get("text_config") or stated).get("dtype", stated.get("torch_dtype")) == (

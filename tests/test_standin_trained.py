@@ -112,3 +112,48 @@ def test_greedy_text_is_english(name):
     assert share >= 0.9, f"{name}: only {share:.0%} of the words are English: {text!r}"
     share, text = share_of_corpus_words(load_standin(name, trained=False))
     assert share <= 0.3, f"{name}'s random stand-in writes {share:.0%} real words: {text!r}"
+
+
+def _drafting(model, prompts: list[list[int]], k: int, new: int = 40) -> tuple[float, list]:
+    """Greedy speculative decoding with the model's MTP head, `k` drafts a round, from each
+    prompt: (the share of drafts accepted over all prompts, the tokens of each)."""
+    from qwen_mini.sampling import Sampling
+    from qwen_mini.speculative import make_draft, speculative_decode
+
+    proposed = accepted = 0
+    outs, greedy = [], Sampling(temperature=0)
+    for prompt in prompts:
+        draft = make_draft("mtp", model)
+        seen = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+        with torch.inference_mode():
+            outs.append(list(speculative_decode(model, draft, prompt, new, k, greedy, None, (),
+                                                seen, seen.clone())))  # fmt: skip
+        proposed, accepted = proposed + draft.proposed, accepted + draft.accepted
+    return accepted / proposed, outs
+
+
+def test_the_trained_mtp_head_drafts_well():
+    """Qwen3.5's stand-in's MTP head, trained on the frozen main model, on the held-out book:
+    from 3 prompts of 16 tokens of Jonah, greedy speculative decoding gives the plain greedy
+    tokens, and far more of its drafts are accepted than the same head's with its random
+    initial weights (measured: 41 % of single drafts, 21 % three at a time; random: none)."""
+    from qwen_mini.generation import generate_tokens
+    from qwen_mini.standin import SEED, _random_weights
+
+    name = "Qwen/Qwen3.5-0.8B"
+    ids = train_standins.held_out_ids(name)
+    prompts = [ids[i : i + 16] for i in (0, len(ids) // 3, 2 * len(ids) // 3)]
+    model = load_standin(name)
+    plain = [list(generate_tokens(model, p, max_new_tokens=40, temperature=0, eos_token_ids=[]))
+             for p in prompts]  # fmt: skip
+    rates = {}
+    for k in (1, 3):
+        rates[k], outs = _drafting(model, prompts, k)
+        assert outs == plain, k
+    random_head = {k: v for k, v in _random_weights(model, SEED).items() if k.startswith("mtp.")}
+    untrained = load_standin(name)
+    untrained.load_state_dict({**untrained.state_dict(), **random_head})
+    random_rate, outs = _drafting(untrained, prompts, 1)
+    assert outs == plain
+    assert random_rate < 0.05, random_rate
+    assert rates[1] > 0.2 and rates[3] > 0.1, rates

@@ -1,0 +1,41 @@
+"""compile=True: the preallocated cache and the compiled fixed-shape step give the eager
+tokens. torch.compile on the CPU compiles C++ for each model: a minute or more each."""
+
+import helpers
+import pytest
+
+from qwen_mini.generation import generate_tokens
+
+PROMPT = [1, 5, 9, 3, 7, 2, 11]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])  # dense, hybrid
+def test_compiled_greedy_equals_eager_greedy(model_type):
+    model = helpers.tiny_model(model_type, seed=0, std=0.5)
+    kw = dict(max_new_tokens=12, temperature=0, eos_token_ids=[])
+    eager = list(generate_tokens(model, PROMPT, **kw))
+    assert list(generate_tokens(model, PROMPT, compile=True, **kw)) == eager
+    assert list(generate_tokens(model, PROMPT[:3], compile=True, **kw)) == list(
+        generate_tokens(model, PROMPT[:3], **kw)
+    )  # again, a new prompt: the compiled step is reused, its buffers reloaded
+
+
+def test_compile_refuses_what_it_cannot_run():
+    model = helpers.tiny_model("qwen4_exp_text")
+    with pytest.raises(ValueError, match="no fixed-shape decode step"):
+        generate_tokens(model, PROMPT, max_new_tokens=4, compile=True)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        generate_tokens(
+            helpers.tiny_model("qwen3"), PROMPT, max_new_tokens=4, compile=True, draft="mtp"
+        )
+
+
+def test_the_kept_compiled_step_is_not_part_of_the_model():
+    from qwen_mini.static_decode import compiled_step
+
+    model = helpers.tiny_model("qwen3")
+    before = list(model.state_dict())
+    compiled_step(model, 16)  # builds and keeps it; compiles lazily, at the first step
+    assert list(model.state_dict()) == before
+    assert all(not name.startswith("_static") for name, _ in model.named_modules())
