@@ -1,15 +1,21 @@
 """Decode speed on this machine, in one process: transformers' generate (default cache, static
-cache) against qwen_mini eager, compiled (compile=True) and speculative decoding.
+cache) against qwen_mini eager, compiled (compile=True) and speculative decoding; then the
+Qwen3.5 stand-in drafting with its own trained MTP head.
 
-    python bench/bench_decode.py                  # Qwen3-0.6B's width, 4 layers, float32
+    python bench/bench_decode.py                  # Qwen3-0.6B's width, 4 layers, bfloat16
     python bench/bench_decode.py --layers 28      # the real depth (slow on a small CPU)
+    python bench/bench_decode.py --dtype float32
 
 Random weights of Qwen3-0.6B's shape (assets/configs/qwen3-0.6b/config.json) with fewer layers,
 written once with transformers and loaded by both libraries, so both run the same weights. The
 speculative draft is the model's own first layers (a layer-skip draft, with the model's head):
 random weights make any draft's acceptance a property of these weights only, so the acceptance
 printed is this run's, not a real model's. Greedy decoding throughout; each timing is the
-median of --repeats runs, taken alternately. See bench/README.md.
+median of --repeats runs, taken alternately. The decode limit is (bytes of weights a token
+reads, the tied head once) / (the bandwidth sum() streams here); each path's share of it is
+printed. The MTP part uses the embedded Qwen3.5 stand-in, whose MTP head was trained on its
+frozen main model (assets/standins/qwen3.5-0.8b.json): its acceptance is a tiny model's on a
+held-out book's sentences, not the real 0.8B's. See bench/README.md.
 """
 
 from __future__ import annotations
@@ -27,6 +33,17 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_vs_transformers import read_bandwidth  # noqa: E402
+
+# Sentences of the stand-in's held-out book (Jonah, King James Version; not in its training text).
+MTP_PROMPTS = [
+    "Now the word of the LORD came unto Jonah the son of Amittai, saying,",
+    "But the LORD sent out a great wind into the sea, and there was a mighty tempest",
+    "Then Jonah prayed unto the LORD his God out of the fish's belly,",
+    "And the word of the LORD came unto Jonah the second time, saying,",
+]
 
 
 def timed(fn) -> float:
@@ -43,7 +60,9 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--draft-tokens", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = p.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -55,10 +74,10 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     config = json.loads((ROOT / "assets/configs/qwen3-0.6b/config.json").read_text())
     config.update(num_hidden_layers=args.layers, torch_dtype="float32")
-    hf = Qwen3ForCausalLM(Qwen3Config(**config)).eval()
+    hf = Qwen3ForCausalLM(Qwen3Config(**config)).to(dtype).eval()
     with tempfile.TemporaryDirectory() as folder:
         hf.save_pretrained(folder)
-        ours = load_model(folder, dtype=torch.float32)
+        ours = load_model(folder, dtype=dtype)
     # the draft: the model's first layers and its embedding, final norm and head
     cfg = ours.config
     small = replace(cfg, num_hidden_layers=args.draft_layers,
@@ -112,13 +131,77 @@ def main(argv=None) -> int:
             times[name].append(timed(fn))
     base = statistics.median(times["transformers generate (default cache)"])
     threads = torch.get_num_threads()
-    print(f"{args.layers} layers of Qwen3-0.6B's width, float32, prompt {args.prompt}, "
+    # every weight is read once per token; parameters() lists the tied head once
+    per_token = sum(p.numel() * p.element_size() for p in ours.parameters())
+    bandwidth = read_bandwidth()
+    limit = bandwidth / per_token
+    print(f"{args.layers} layers of Qwen3-0.6B's width, {args.dtype}, prompt {args.prompt}, "
           f"{n} new tokens, {threads} threads, torch {torch.__version__}")  # fmt: skip
+    print(f"decode limit: {per_token / 1e9:.2f} GB of weights per token at "
+          f"{bandwidth / 1e9:.1f} GB/s = {limit:.1f} tokens/s")  # fmt: skip
     for name, ts in times.items():
-        t = statistics.median(ts)
-        print(f"{name:55s} {n / t:8.1f} tokens/s  {base / t:5.2f}x transformers default")
-    print(f"speculative acceptance: {stats['acceptance']:.0%} of drafts")
+        t, spread = statistics.median(ts), (min(ts), max(ts))
+        print(
+            f"{name:55s} {n / t:8.1f} tokens/s ({n / spread[1]:.1f}-{n / spread[0]:.1f})  "
+            f"{base / t:5.2f}x transformers default  {n / t / limit:4.0%} of the limit"
+        )
+    print(f"layer-skip draft acceptance: {stats['acceptance']:.0%} of drafts")
+    mtp_standin(args.repeats, n)
     return 0
+
+
+def mtp_standin(repeats: int, n: int) -> None:
+    """The Qwen3.5 stand-in, greedy: eager against its own MTP head drafting 1 and 3 tokens."""
+    from qwen_mini.generation import generate_tokens
+    from qwen_mini.sampling import Sampling
+    from qwen_mini.speculative import make_draft, speculative_decode
+    from qwen_mini.standin import load_standin
+    from qwen_mini.tokenizer import load_tokenizer
+
+    name = "Qwen/Qwen3.5-0.8B"
+    model, tok = load_standin(name), load_tokenizer(name)
+    prompts = [tok.encode(text) for text in MTP_PROMPTS]
+    counts = {}
+
+    def eager():
+        return [list(generate_tokens(model, ids, max_new_tokens=n, temperature=0,
+                                     eos_token_ids=[])) for ids in prompts]  # fmt: skip
+
+    def mtp(k):
+        def run():
+            out, proposed, accepted = [], 0, 0
+            for ids in prompts:
+                d, s = make_draft("mtp", model), Sampling(temperature=0)
+                seen = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+                with torch.inference_mode():
+                    out.append(list(speculative_decode(model, d, ids, n, k, s, None, (), seen,
+                                                       seen.clone())))  # fmt: skip
+                proposed, accepted = proposed + d.proposed, accepted + d.accepted
+            counts[k] = accepted / max(proposed, 1)
+            return out
+
+        return run
+
+    runs = {"eager": eager, "MTP draft, k=1": mtp(1), "MTP draft, k=3": mtp(3)}
+    want = eager()
+    for label, fn in runs.items():
+        got = fn()
+        print(f"warm-up stand-in {label}: {'same tokens' if got == want else 'DIFFERENT tokens'}",
+              file=sys.stderr)  # fmt: skip
+    times = {label: [] for label in runs}
+    for _ in range(repeats):
+        for label, fn in runs.items():
+            times[label].append(timed(fn))
+    total = n * len(prompts)
+    base = statistics.median(times["eager"])
+    print(
+        f"\nQwen3.5 stand-in ({model.config.num_hidden_layers} layers, hidden "
+        f"{model.config.hidden_size}, trained MTP head), {len(prompts)} prompts x {n} tokens"
+    )
+    for label, ts in times.items():
+        t = statistics.median(ts)
+        accepted = f"  acceptance {counts[int(label[-1])]:.0%}" if label != "eager" else ""
+        print(f"{label:55s} {total / t:8.1f} tokens/s  {base / t:5.2f}x eager{accepted}")
 
 
 if __name__ == "__main__":
