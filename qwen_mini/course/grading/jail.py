@@ -23,6 +23,7 @@ processes, and gives it one equal share of the CPU however many processes it sta
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import resource
@@ -65,7 +66,7 @@ def visible_paths(path: list[str] | None = None) -> list[str]:
     found = [p for p in SYSTEM if os.path.lexists(p)]
     found += [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
     found.append(os.path.dirname(os.path.realpath(sys.executable)))
-    for entry in path if path is not None else sys.path:
+    for entry in path if path is not None else [*_worker_path(), str(PACKAGE.parent)]:
         real = os.path.realpath(entry) if entry else "/"
         if real in PRIVATE or not os.path.exists(real):  # never the machine, nor a shared /tmp
             continue
@@ -77,6 +78,19 @@ def visible_paths(path: list[str] | None = None) -> list[str]:
                 found.append(str(PACKAGE.parent / name))
     found += [os.path.realpath(p) for p in found]  # where a link (a venv's) leads
     return _outermost(found)
+
+
+@functools.cache
+def _worker_path() -> list[str]:
+    """The folders on a worker's `sys.path` (`python -I`: not this process's, which a test
+    runner or PYTHONPATH may extend), before the worker adds the package's."""
+    said = subprocess.run(
+        [sys.executable, "-I", "-c", "import sys, json; print(json.dumps(sys.path))"],
+        capture_output=True,
+        check=True,
+        cwd="/",
+    )
+    return json.loads(said.stdout)
 
 
 def _outermost(paths: list[str]) -> list[str]:
