@@ -122,7 +122,8 @@ def command(argv: list[str], cwd: str, memory_mb: int, files=(), info_fd=None) -
     `files`: single files shown read-only even inside a hidden folder (an extra chapter's check
     file that defines its references: the worker loads them, so their source is no secret)."""
     size = str(memory_mb * 2**20)
-    args = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session"]
+    args = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns"]
+    args += ["--die-with-parent", "--new-session"]
     args += ["--cap-drop", "ALL", "--uid", str(JAIL_UID), "--gid", str(JAIL_UID)]
     args += ["--hostname", "jail"]
     shown = visible_paths()
@@ -184,10 +185,19 @@ def _hierarchies() -> list[tuple[Path, bool]]:
     return []
 
 
-def memory_cgroup() -> bool:
-    """This machine gives each worker a memory cgroup, which counts tmpfs files and shared
-    memory with the process's own (without, each is capped at the limit on its own)."""
-    return any(v2 or p.parent.name == "memory" for p, v2 in _hierarchies())
+def controllers() -> set[str]:
+    """Which of memory, pids and cpu each worker gets a cgroup of (none where the machine
+    offers no cgroup this process may write). A memory cgroup counts tmpfs files and shared
+    memory with the process's own (without one, each is capped at the limit on its own); a cpu
+    cgroup gives each worker one equal share of the CPU however many processes it starts."""
+    found = set()
+    for parent, v2 in _hierarchies():
+        if not v2:
+            found.add(parent.parent.name)
+            continue
+        with contextlib.suppress(OSError):
+            found |= set((CGROUP / "cgroup.subtree_control").read_text().split())
+    return found & {"memory", "pids", "cpu"}
 
 
 class Limits:
