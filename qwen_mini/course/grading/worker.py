@@ -23,6 +23,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 import traceback
 import types
 
@@ -102,6 +103,7 @@ class Worker:
         from IPython.core.inputtransformer2 import TransformerManager
 
         self.sock, self.snap = sock, snapshot
+        self.pid = os.getpid()
         self.transform = TransformerManager().transform_cell
         self.codec = Codec("w", lambda h, t: ParentObject(self, h, t))
         self.monitor = Monitor(snapshot)
@@ -135,6 +137,14 @@ class Worker:
 
     # channel
 
+    def send(self, message: dict) -> None:
+        """Only the worker speaks on the channel: a copy of it that the learner's code forked
+        (a fork bomb's, or `os.fork()` whose child runs on) ends here instead of answering the
+        grader in the worker's name."""
+        if os.getpid() != self.pid:
+            os._exit(0)
+        protocol.send(self.sock, message)
+
     def ask(self, message: dict):
         """Send a request to the grader and serve its requests until the answer comes."""
         self.request_id += 1
@@ -142,7 +152,7 @@ class Worker:
         for key in ("args", "kwargs", "value", "obj"):
             if key in message:
                 message[key] = self.codec.encode(message[key])
-        protocol.send(self.sock, message)
+        self.send(message)
         return self.serve(until=self.request_id)
 
     def serve(self, until=None):
@@ -181,7 +191,7 @@ class Worker:
             if not torch.equal(state, self.rng_reported):
                 result["rng"] = protocol.rng_text(state)
                 self.rng_reported = state
-        protocol.send(self.sock, dict(result, id=message.get("id")))
+        self.send(dict(result, id=message.get("id")))
 
     @contextlib.contextmanager
     def observed(self, op):
@@ -315,6 +325,8 @@ class Worker:
             self.exec_source(text, f"<cell {index}>")
         except BaseException as e:
             result = {"ok": False, "kind": _kind(e), "error": _describe(e, f"<cell {index}>")}
+        if os.getpid() != self.pid:  # a copy the cell forked ran on to here: see send()
+            os._exit(0)
         sys.stdout.flush()
         sys.stderr.flush()
         result["notes"] = self.notes
@@ -372,15 +384,38 @@ def _describe(e: BaseException, filename: str) -> str:
     return f"raised {exception_text(e)}{at}"
 
 
-def _helpers_alive() -> str:
+def _helpers_alive(grace: float = 2.0) -> str:
     """Threads or processes the submission started that still run (they would escape the
-    monitor while an exercise is checked): in the jail's pid namespace, any process but its
-    first (bwrap's) and this one."""
-    me = os.getpid()
-    for pid in os.listdir("/proc"):
-        if pid.isdigit() and int(pid) not in (1, me):
-            return f"process {pid}"
-    return ""
+    monitor while an exercise is checked): in the jail's pid namespace, any live process but
+    its first (bwrap's, which reaps orphans) and this one. Copies that are ending (a fork
+    bomb's, after its fork fails) get `grace` seconds to go."""
+    me, until = os.getpid(), time.monotonic() + grace
+    while True:
+        _reap()
+        others = [p for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me)]
+        alive = [p for p in others if _runs(p)]
+        if not alive or time.monotonic() > until:
+            return f"process {alive[0]}" if alive else ""
+        time.sleep(0.05)
+
+
+def _reap() -> None:
+    """Collect this process's ended children (they stay in /proc until it does)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _runs(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False  # gone while we looked
 
 
 def _settle(memory_mb: int) -> None:
