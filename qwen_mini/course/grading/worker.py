@@ -530,6 +530,7 @@ def serve(sock_fd: int) -> None:
     """The worker, in its jail: load torch and the chapter's references (never its checks: the
     grader says where each reference is), note what they are made of, then obey the grader."""
     sock = socket.socket(fileno=sock_fd)
+    os.environ.pop("PWD", None)  # bwrap sets it after --chdir; the jail's environment is the list
     try:
         job = protocol.receive(sock)
         import torch
