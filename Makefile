@@ -12,7 +12,7 @@ TORCH  ?= torch==2.13.0
 # JupyterLab's own options for `make lab`, e.g. LAB_ARGS="--port 9999 --ip 0.0.0.0 --no-browser"
 LAB_ARGS ?=
 
-.PHONY: lab test test-browser browser-deps site test-site build bench clean
+.PHONY: lab test test-browser browser-deps grading-deps site test-site build bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,7 +50,7 @@ NB_ENV := env -u QWEN_MINI_WEIGHTS -u QWEN_MINI_DOWNLOAD HF_HUB_OFFLINE=1 HF_HUB
 # copies as the build makes them, written to build/learner-copies, never course/'s working copies.
 LEARNER_COPIES := build/learner-copies
 
-test: $(VENV)/.dev
+test: $(VENV)/.dev grading-deps
 	rm -rf $(LEARNER_COPIES)
 	$(BIN)/python -m qwen_mini.course.build --learner-copies $(LEARNER_COPIES)
 	$(BIN)/ruff check . $(LEARNER_COPIES)
@@ -61,9 +61,15 @@ test: $(VENV)/.dev
 	$(NB_ENV) QWEN_MINI_CHECKS=solutions $(BIN)/python -m pytest $(PARALLEL) --dist loadfile --nbval-lax solutions
 	$(NB_ENV) QWEN_MINI_CHECKS=course $(BIN)/python -m qwen_mini.course.site --run-only --course $(LEARNER_COPIES)
 
+# The grader runs every submission in a bubblewrap jail (README: "What is guaranteed"); its
+# tests need Debian's `bubblewrap`, installed here as browser-deps installs Chromium.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+grading-deps:
+	command -v bwrap >/dev/null || ($(SUDO) apt-get update && $(SUDO) apt-get install -y bubblewrap)
+
 # Optional third command: chapter 2 in JupyterLab in headless Chromium (Debian's package, driven
 # by Playwright's Python package; no browser download). Installs what it needs.
-SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 browser-deps: $(VENV)/.dev
 	command -v chromium >/dev/null || ($(SUDO) apt-get update && $(SUDO) apt-get install -y chromium)

@@ -1,8 +1,8 @@
 """The grader's red-team corpus: submissions of the fixture chapter 98 written to break it.
 
-One `qwen-mini-course grade` run grades every submission (starting the sandbox's zygote, which
-imports torch, is the slow part, so it happens once); each test reads that run's CSV and JSON
-reports and asserts a property an instructor relies on, whatever mechanism provides it:
+One `qwen-mini-course grade` run grades every submission (each in a jail of its own, whose
+worker imports torch: the slow part, so the corpus is graded once); each test reads that run's
+CSV and JSON reports and asserts a property an instructor relies on, whatever mechanism provides it:
 
 1. one student cannot change another student's result;
 2. nothing in one notebook stops the run, and every input gets a row;
@@ -15,7 +15,6 @@ solution is graded again first and last ("a_first", "z_last"): its row must not 
 the submissions graded between them did.
 """
 
-import contextlib
 import csv
 import hashlib
 import json
@@ -35,7 +34,7 @@ from qwen_mini.course import build, checking
 from qwen_mini.course import notebooks as nbs
 from qwen_mini.course.checking import PATH_ENV
 from qwen_mini.course.grading import cli as grade
-from qwen_mini.course.grading import isolation, sandbox
+from qwen_mini.course.grading import jail
 from qwen_mini.course.grading.sandbox import PROCESS_OUTPUT_CAP
 
 # `pytest -n 2 --dist loadgroup` (the Makefile) runs this file in one worker: its module
@@ -47,17 +46,17 @@ FIXTURES = Path(__file__).parent / "fixtures"
 SOLUTION = FIXTURES / "solutions" / "ch98_grading.ipynb"
 IDS = ["ch98.add_one", "ch98.add_two", "ch98.mean_square", "ch98.Scale"]
 FULL = ["1", "1", "2", "1"]
-TIMEOUT, BUDGET = 6, 15  # seconds per cell / exercise, and per notebook
-ROOTED = os.geteuid() == 0  # learner code runs as a user of its own only when the grader is root
+# seconds per cell / exercise, and per notebook: the budget is wall time, so it leaves a notebook
+# that lost one cell to a timeout room for its jail's restart on a busy machine
+TIMEOUT, BUDGET = 6, 30
 MARKER = f"qwen-mini-redteam-{os.getpid()}"  # in the command line of processes submissions start
 
 HOSTILE = FIXTURES / "hostile"  # one file per submission; the format is in _submission
 
 
-def _submission(path: Path) -> tuple[str, dict, bool]:
-    """(base notebook, {cell id: new source, None to delete it, a list for several cells},
-    whether it may run only where learner code runs as a user of its own) from a file holding
-    `# base: solution` or `# base: blank`, maybe `# only-rooted: why`, then the new cells, each
+def _submission(path: Path) -> tuple[str, dict]:
+    """(base notebook, {cell id: new source, None to delete it, a list for several cells}) from
+    a file holding `# base: solution` or `# base: blank`, then the new cells, each
     after a `# %% <cell id>` line (`# %% <cell id> deleted` removes the cell, `*N` after the id
     repeats it N times). @ROOT@ and @MARKER@ stand for ROOT and MARKER; @OUT@ for the CSV path,
     @SECRET@ for the course secret's."""
@@ -74,14 +73,10 @@ def _submission(path: Path) -> tuple[str, dict, bool]:
             continue
         times = int(how.removeprefix("*")) if how else 1
         changes.setdefault(cell_id, []).extend([source.rstrip("\n")] * times)
-    return base.group(1), changes, "# only-rooted:" in head
+    return base.group(1), changes
 
 
-SUBMISSIONS = {}
-for _path in sorted(HOSTILE.glob("*.py")):
-    _base, _changes, _rooted_only = _submission(_path)
-    if ROOTED or not _rooted_only:
-        SUBMISSIONS[_path.stem] = (_base, _changes)
+SUBMISSIONS = {p.stem: _submission(p) for p in sorted(HOSTILE.glob("*.py"))}
 
 
 def _notebook(base: dict, changes: dict) -> dict:
@@ -103,16 +98,6 @@ def _notebook(base: dict, changes: dict) -> dict:
 def _run(folder: Path, out: Path, extra: list[str] = ()) -> int:
     old = os.environ.get(PATH_ENV)
     os.environ[PATH_ENV] = str(FIXTURES / "checks")
-    new_uid = sandbox._new_uid
-    uids = folder / "uids.txt"  # the user ids of this run's submissions (grading forks: a file)
-
-    def recorded() -> int:
-        uid = new_uid()
-        with open(uids, "a") as f:
-            f.write(f"{uid}\n")
-        return uid
-
-    sandbox._new_uid = recorded
     try:
         return grade.main(
             ["--chapter", "98", "--solutions", str(FIXTURES / "solutions"), "--out", str(out)]
@@ -120,7 +105,6 @@ def _run(folder: Path, out: Path, extra: list[str] = ()) -> int:
             + list(extra)
         )
     finally:
-        sandbox._new_uid = new_uid
         if old is None:
             del os.environ[PATH_ENV]
         else:
@@ -232,20 +216,14 @@ def test_each_submission_runs_in_a_fresh_folder_outside_the_repository(graded):
         assert not cwd.exists()  # removed once graded
 
 
-def test_learner_code_runs_as_an_unprivileged_user_of_its_own(graded):
+def test_learner_code_runs_as_an_unprivileged_user_in_its_own_namespaces(graded):
     _, _, reports, _, _ = graded
-    uids = []
     for name in ("s1_plants_modules", "s1_plants_too"):
         line = next(x for x in reports[name]["process_output"].splitlines() if x.startswith("UID="))
-        uids.append(int(line[4:]))
-    if ROOTED:
-        assert 0 not in uids and uids[0] != uids[1]
-    else:  # an ordinary user cannot switch users: the submission runs as the grader (README)
-        assert uids == [os.getuid()] * 2
+        assert int(line[4:]) == jail.JAIL_UID != 0  # in the jail's user namespace
 
 
 def test_no_process_of_a_submission_outlives_its_grading(graded):
-    _, rows, _, _, folder = graded
     survivors = []
     for cmd in Path("/proc").glob("[0-9]*/cmdline"):
         try:
@@ -254,14 +232,8 @@ def test_no_process_of_a_submission_outlives_its_grading(graded):
         except OSError:
             pass
     assert survivors == []
-    if ROOTED:  # and no process of any of this run's user ids (see sandbox.Connection)
-        ours = {int(x) for x in (folder / "uids.txt").read_text().split()}
-        assert len(ours) >= len(SUBMISSIONS)  # every submission, a worker of its own uid
-        uids = []  # (other graders on the machine use the same range: only ours count)
-        for p in Path("/proc").glob("[0-9]*"):
-            with contextlib.suppress(OSError):
-                uids.append(p.stat().st_uid)
-        assert not [u for u in uids if u in ours]
+    groups = [p for p in Path("/sys/fs/cgroup").glob("*/qwen-mini-grading/qwen-mini-submission-*")]
+    assert not [g for g in groups if (g / "cgroup.procs").read_text().strip()]
 
 
 def test_the_csv_is_the_graders(graded):
@@ -276,7 +248,7 @@ def test_the_csv_is_the_graders(graded):
 
 def test_killing_its_parent_or_everything_costs_that_submission_only(graded):
     _, rows, _, _, _ = graded
-    names = ["s1_kills_its_parent"] + (["s1_kills_everything", "s1_fork_bomb"] if ROOTED else [])
+    names = ["s1_kills_its_parent", "s1_kills_everything", "s1_fork_bomb"]
     for name in names:
         assert rows[name]["ch98.add_one status"] in ("crashed", "passed"), name
         assert rows[name]["ch98.mean_square status"] == "passed", name
@@ -285,8 +257,7 @@ def test_killing_its_parent_or_everything_costs_that_submission_only(graded):
 
 def test_learner_code_cannot_write_into_the_repository(graded):
     _, rows, _, _, _ = graded
-    if ROOTED:  # as the grader's own user a submission can write what that user can (README)
-        assert not list(ROOT.rglob(f"pwned_{MARKER}.py"))
+    assert not list(ROOT.rglob(f"pwned_{MARKER}.py"))  # the checkout is read-only in the jail
     for p in ROOT.rglob(f"pwned_{MARKER}.py"):
         p.unlink()
     assert rows["s1_writes_repository"]["total"] == "5"
@@ -298,11 +269,6 @@ def _printed(reports, name: str, prefix: str) -> list[str]:
     return [x[len(prefix) :] for x in lines if x.startswith(prefix)]
 
 
-ISOLATED = ROOTED and sys.platform == "linux"  # a view of its own (grading/isolation.py)
-ONLY_ISOLATED = pytest.mark.skipif(not ISOLATED, reason="a private view needs root on Linux")
-
-
-@ONLY_ISOLATED
 def test_nothing_a_submission_leaves_survives_it(graded):
     _, rows, reports, _, _ = graded
     # it could write everywhere a program writes scratch files...
@@ -320,11 +286,12 @@ def test_nothing_a_submission_leaves_survives_it(graded):
     assert rows["s1_finds_leftovers"]["total"] == "5"
 
 
-@ONLY_ISOLATED
 def test_the_grader_and_other_submissions_are_invisible(graded):
     _, rows, reports, _, folder = graded
     name = "s1_reads_classmates"
-    assert _printed(reports, name, "SAW ") == [""]  # no process but its own in /proc
+    # in /proc, no process but its own and the jail's first (bwrap's, its parent)
+    [saw] = _printed(reports, name, "SAW ")
+    assert all(x.startswith("1/") for x in saw.split()), saw
     assert rows[name]["total"] == "5"
     out = folder / "out"
     denied = [x.split()[0] for x in _printed(reports, name, "DENIED ")]
@@ -347,7 +314,6 @@ def test_the_grader_and_other_submissions_are_invisible(graded):
     assert not {v for v in env if v.startswith(("SUDO", "SSH", "PYTEST", "QWEN_MINI_E"))}
 
 
-@ONLY_ISOLATED
 def test_no_check_is_loaded_and_solutions_are_out_of_reach(graded):
     _, rows, reports, _, _ = graded
     name = "s4_reads_hidden_checks"
@@ -355,7 +321,6 @@ def test_no_check_is_loaded_and_solutions_are_out_of_reach(graded):
     assert rows[name]["total"] == "0" and "passed" not in statuses(rows, name)
 
 
-@ONLY_ISOLATED
 def test_the_package_check_modules_and_the_secret_are_out_of_reach(graded):
     # the hidden cases' generators are in qwen_mini/course/checks/, their inputs drawn with the
     # course secret: neither is importable, readable or listed in the sandbox
@@ -405,7 +370,6 @@ check('ch98.mean_square', mean_square)
 """
 
 
-@ONLY_ISOLATED
 def test_memory_in_files_and_shared_memory_counts_against_the_limit(tmp_path):
     # 864 MB in /dev/shm, /tmp, /var/tmp and System V segments, none over its own 256 MB cap
     nb = _notebook(nbs.load(SOLUTION), {"mean-square": FILLS_MEMORY})
@@ -414,7 +378,7 @@ def test_memory_in_files_and_shared_memory_counts_against_the_limit(tmp_path):
     assert _run(tmp_path, tmp_path / "g.csv", [*extra, str(tmp_path / "fills.ipynb")]) == 0
     report = json.loads((tmp_path / "g-reports" / "fills.json").read_text())
     entry = report["exercises"]["ch98.mean_square"]
-    if isolation._memory_parent() is not None:  # a memory cgroup counts them all: killed
+    if "memory" in jail.controllers():  # a memory cgroup counts them all: killed
         assert entry["status"] == "crashed" and "memory" in entry["message"], entry
         assert report["total"] == 3
     else:  # no cgroup (README): each kind is capped at the limit, not counted with it
@@ -642,7 +606,7 @@ def test_a_submission_cannot_take_the_reports_folder(one_at_a_time):
     assert not list((shared / "stolen-reports").glob("*"))  # nothing written where it pointed
 
 
-@pytest.mark.parametrize("kind", ["link", "file", "writable"] + ["foreign"] * ROOTED)
+@pytest.mark.parametrize("kind", ["link", "file", "writable"] + ["foreign"] * (os.geteuid() == 0))
 def test_a_reports_folder_someone_else_made_is_refused(tmp_path, capsys, kind):
     shared = _shared_folder()
     try:
@@ -666,10 +630,13 @@ def test_a_reports_folder_someone_else_made_is_refused(tmp_path, capsys, kind):
         shutil.rmtree(shared, ignore_errors=True)
 
 
+@pytest.mark.skipif("cpu" not in jail.controllers(), reason="no cpu cgroup here (README)")
 def test_busy_processes_of_one_notebook_do_not_cost_its_neighbour(tmp_path):
     # with --jobs 2, one notebook keeps twenty busy processes running (each in a session of its
-    # own) while the other's add_one does a second of work in each of its two checks: alone,
-    # 2 s of a 6 s limit; beside them, many times that in wall time
+    # own) while the other's add_one does half a second of work in each of its two checks:
+    # alone, 1 s of a 6 s limit; each jail's cpu cgroup holds one share of the CPU, however
+    # many processes it runs, so the twenty take the neighbour's time no more than one would
+    # (and the slack is for the machine's other load, outside the grader's cgroups)
     shared = _shared_folder()
     try:
         solution = nbs.load(SOLUTION)
@@ -685,7 +652,7 @@ def test_busy_processes_of_one_notebook_do_not_cost_its_neighbour(tmp_path):
         shutil.rmtree(shared, ignore_errors=True)
     assert "HOGS STARTED" in hogs["process_output"], hogs["warnings"]
     slowdowns = re.findall(r"SLOWDOWN=([0-9.]+)", report["process_output"])
-    assert slowdowns and max(float(x) for x in slowdowns) > 3, report["process_output"]
+    assert slowdowns, report["process_output"]
     assert statuses(rows, "s3_slow_but_honest") == ["passed"] * 4, report["exercises"]
     # the busy notebook's own exercises: graded, or costed by the processes it left running
     assert set(statuses(rows, "s1_cpu_hogs")) <= {"passed", "tampered", "timeout"}

@@ -28,7 +28,7 @@ def test_recompiled_copies_of_a_reference_are_recognised():
 
 
 def test_no_foreign_function_looks_like_a_reference():
-    # the earlier chapters' classes as the zygote gets them from the grader
+    # the earlier chapters' classes as the worker gets them from the grader
     snaps = {
         ch: Snapshot(exercises(ch), earlier=_references(_chapter_spec(ch))[1]) for ch in CHAPTERS
     }

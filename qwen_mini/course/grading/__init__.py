@@ -4,11 +4,13 @@ Split by concern:
 
 - `plan.py`: the reference notebook and a submission into what to run (every code cell);
 - `protocol.py`: the channel between grader and sandbox: framed messages, plain-data values;
-- `worker.py`: the sandbox side: a zygote that forks one worker per submission, which runs the
-  learner's cells and answers the grader's requests, with its limits and its user id;
-- `monitor.py`: inside the sandbox, tamper and reference detection (which code runs while an
+- `jail.py`: the bubblewrap jail each submission's worker runs in: namespaces, limits, cgroups;
+- `worker.py`: the jail's side: the worker, which runs the learner's cells and answers the
+  grader's requests;
+- `monitor.py`: inside the jail, tamper and reference detection (which code runs while an
   exercise is checked);
-- `sandbox.py`: the grader's side of it: starting workers, stand-ins for learner objects;
+- `sandbox.py`: the grader's side of it: starting a worker in its jail, stand-ins for learner
+  objects;
 - `byvalue.py`: a check's objects sent to the sandbox as copies, and their state brought back;
 - `session.py`: grading one notebook (the checks run here, in the grader);
 - `report.py`: statuses, points, the CSV and the JSON reports;

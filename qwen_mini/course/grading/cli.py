@@ -32,9 +32,10 @@ from pathlib import Path
 from .. import checking
 from ..mine import home
 from ..notebooks import NotebookError
+from . import jail as jails
 from .plan import ROOT, GraderError, display_name, load_reference, read_submission
 from .report import Folder, Grades, csv_text, number, report_name, write_report
-from .sandbox import Zygote
+from .sandbox import Jail
 from .session import Options, grade_notebook
 
 UNREADABLE = 3
@@ -136,6 +137,7 @@ def _say(text: str) -> None:
 
 
 def _grade_all(options) -> int:
+    jails.require()  # no submission runs outside a jail: refuse before anything is graded
     # the hidden inputs: the same for every notebook of this run and of every run with this secret
     checking.new_secret(course_secret(options.secret_file, options.new_secret))
     ref = load_reference(options.solutions, options.chapter)
@@ -206,20 +208,15 @@ def _progress(grades: Grades) -> str:
 
 
 def _grade_share(files, indices, ref, settings):
-    """Grade files[i] for i in `indices` with a zygote of this process's own; yield
+    """Grade files[i] for i in `indices`, each in jails of its own; yield
     (index, grades, read error)."""
     with tempfile.TemporaryDirectory(prefix="qwen-mini-grader-") as tmp:
-        zygote = Zygote(ref.chapter, Path(tmp))
-        try:
-            if zygote.exercises != ref.ids:
-                raise GraderError(
-                    f"the sandbox sees exercises {zygote.exercises}, the grader {ref.ids}"
-                )
-            for i in indices:
-                sub = read_submission(files[i], ref.chapter)
-                yield i, grade_notebook(sub, ref, zygote, settings), sub.error
-        finally:
-            zygote.close()
+        cell = Jail(ref.chapter, Path(tmp))
+        if cell.exercises != ref.ids:
+            raise GraderError(f"the sandbox sees exercises {cell.exercises}, the grader {ref.ids}")
+        for i in indices:
+            sub = read_submission(files[i], ref.chapter)
+            yield i, grade_notebook(sub, ref, cell, settings), sub.error
 
 
 def _graded(files, ref, settings, jobs: int):

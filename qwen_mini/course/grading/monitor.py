@@ -3,7 +3,7 @@ while the grader checks an exercise, so that an answer that is the reference (ca
 subclassed, copied, compiled again with other flags or from its AST, run in a thread) is caught;
 and what "tampering" compares.
 
-Everything here is computed in the zygote, before any learner code runs, and kept by the worker.
+Everything here is computed in the worker, before any learner code runs, and kept by it.
 It runs in the learner's process, so it is a tripwire, not a wall: the comparisons that decide
 points never run here (they run in the grader, see `session.py`).
 """
@@ -21,7 +21,7 @@ import types
 
 import torch
 
-# bound here, in the zygote: a submission that replaces `sys.setprofile` does not turn the watch off
+# bound at import, before learner code: replacing `sys.setprofile` does not turn the watch off
 _setprofile = sys.setprofile
 _FUTURE_ANNOTATIONS = 0x1000000  # __future__.annotations.compiler_flag
 MIN_RECOMPILED_BYTES = 32  # bytecode of a recompiled variant that identifies its source
@@ -68,7 +68,7 @@ def _compiler_at_work(event: str) -> bool:
     return False
 
 
-# --- what the references are made of (computed in the zygote, before any learner code) ----------
+# --- what the references are made of (computed before any learner code) ---------------------
 
 
 def _codes(obj, seen=None, earlier=()) -> list[types.CodeType]:

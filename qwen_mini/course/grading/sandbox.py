@@ -1,10 +1,10 @@
-"""The grader's side of the sandbox: the zygote that forks workers, one worker per submission, and
-the stand-ins (`Remote`) through which the checks, running here, call the learner's objects.
+"""The grader's side of the jail: starting one worker per submission in a jail of its own
+(jail.py), and the stand-ins (`Remote`) through which the checks, running here, call the
+learner's objects.
 
-A submission's worker runs as a user id of its own when the grader runs as root (a fresh id per
-submission, no account, no groups), in a fresh folder under the system's temporary folder, with
-limits on memory, file size and processes, and in a view of the machine of its own (see
-isolation.py: it sees neither the checks nor other submissions, and leaves nothing behind).
+A submission's worker runs in a bubblewrap jail (its own user, pid, network, IPC, UTS and mount
+namespaces), in a fresh folder under the system's temporary folder, with limits on CPU time,
+memory, file size, open files and processes, and a cgroup of its own where the machine has one.
 Nothing it does reaches this process except messages on its socket, and each of those is
 validated: a malformed one, a stall past the deadline or a dead worker raise `WorkerFault`,
 which the session turns into that submission's status.
@@ -21,12 +21,11 @@ from __future__ import annotations
 import builtins
 import contextlib
 import importlib
-import json
 import os
 import pickle
-import random
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -38,7 +37,7 @@ from pathlib import Path
 import torch
 
 from ..checking import CHECKS, from_checks
-from . import byvalue, protocol
+from . import byvalue, jail, protocol
 from .plan import ROOT, GraderError
 from .protocol import Codec, ProtocolError
 
@@ -46,10 +45,10 @@ PROCESS_OUTPUT_CAP = 20_000  # bytes kept of what a worker wrote to its stdout /
 MAX_NESTING = 20  # requests from the worker while one of ours is pending
 SYSTEM_TMP = tempfile.gettempdir()  # where submissions' folders go (the grader's own: per run)
 BOOT = (
-    "import sys; sys.path.insert(0, sys.argv[3]); "
-    "from qwen_mini.course.grading.worker import serve_zygote; "
-    "serve_zygote(int(sys.argv[1]), sys.argv[2])"
+    "import sys; sys.path.insert(0, sys.argv[2]); "
+    "from qwen_mini.course.grading.worker import serve; serve(int(sys.argv[1]))"
 )
+START_TIMEOUT = 300  # seconds for a worker to load torch and the references (a busy machine)
 
 
 class WorkerFault(BaseException):
@@ -71,106 +70,29 @@ class BadMessage(WorkerFault):
     pass
 
 
-class Zygote:
-    """A process that has imported torch and the chapter's references (not its checks) and
-    forks one worker per submission; it kills what a submission leaves behind when the grader
-    says it is done."""
+class Jail:
+    """What every worker of a chapter starts with: where the chapter's references are, and the
+    files of them that lie in a hidden folder (an extra chapter's check file)."""
 
     def __init__(self, chapter: str, workdir: Path):
         self.chapter, self.workdir = chapter, workdir
-        self.exercises: list[str] = []
-        self.not_isolated = ""  # why the workers see the machine itself, not a view of their own
-        self._spawn()
-
-    def _spawn(self) -> None:
-        self.sock, theirs = socket.socketpair()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-        env["QWEN_MINI_CHECKS"] = "learner"
-        self.log = self.workdir / "zygote.log"
-        args = [sys.executable, "-I", "-c", BOOT, str(theirs.fileno()), self.chapter, str(ROOT)]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                args,
-                pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self.workdir,
-                env=env,
-            )
-        theirs.close()
-        with contextlib.suppress(OSError):
-            protocol.send(self.sock, _chapter_spec(self.chapter))
-        ready = self._receive(600)
-        if not ready or not ready.get("ready"):
-            detail = (ready or {}).get("error") or self.log.read_text(errors="replace")
-            self.close()
-            raise GraderError(f"could not load the checks of {self.chapter}:\n{detail}")
-        if ready.get("unreadable"):
-            self.close()
-            raise GraderError(_UNREADABLE.format(ready["unreadable"]))
-        self.exercises = ready["exercises"]
-        self.not_isolated = str(ready.get("not_isolated") or "")
-
-    def _receive(self, timeout: float) -> dict | None:
-        self.sock.settimeout(timeout)
-        try:
-            return protocol.receive(self.sock)
-        except (OSError, EOFError, ProtocolError):
-            return None
-
-    def start(self, job: dict, fds: list[int]) -> int:
-        """Fork a worker for `job`; its pid. A zygote killed by a submission (possible when the
-        grader does not run as root) is started again, once."""
-        for attempt in range(2):
-            reply = None
-            if self.proc.poll() is None:
-                with contextlib.suppress(OSError):
-                    socket.send_fds(self.sock, [json.dumps(job).encode()], fds)
-                    reply = self._receive(60)
-            if reply and type(reply.get("pid")) is int:
-                return reply["pid"]
-            if attempt == 0:
-                self.close()
-                self._spawn()
-        raise GraderError(f"the grading zygote stopped: {self.log.read_text(errors='replace')}")
-
-    def end(self) -> dict:
-        """Kill the worker and everything it started; {"exit": code, "stopped": bool}."""
-        with contextlib.suppress(OSError, ProtocolError):
-            protocol.send(self.sock, {"end": True})
-            reply = self._receive(120)
-            if reply:
-                return reply
-        self.close()
-        self._spawn()
-        return {"exit": None, "stopped": False}
-
-    def close(self) -> None:
-        self.sock.close()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-_UNREADABLE = """the sandbox's user cannot read what a submission needs:
-  {}
-and this machine does not let the grader give it a private view of the files (mount namespaces,
-as root). Grading now would cost correct notebooks points. Install the course and its Python
-where every user can read them (not under a 0700 home folder; or `chmod o+rx` each folder
-above them), or run the grader as root where mount namespaces are allowed."""
+        self.spec = _chapter_spec(chapter)
+        self.exercises = [x for x, _ in self.spec["exercises"]]
+        places = [w for _, w in self.spec["exercises"] + self.spec["pieces"]]
+        places += self.spec["earlier"]
+        files = {os.path.realpath(w[2]) for w in places if w[2]}
+        hidden = jail.hidden_paths()
+        self.files = sorted(f for f in files if jail._inside(f, hidden))
 
 
 def _place(obj) -> list:
-    """Where the zygote finds `obj`: [module, qualified name, file of the module]."""
+    """Where the worker finds `obj`: [module, qualified name, file of the module]."""
     module = sys.modules[obj.__module__]
     return [obj.__module__, obj.__qualname__, getattr(module, "__file__", None)]
 
 
 def _chapter_spec(chapter: str) -> dict:
-    """What the zygote needs of a chapter ("ch05"): each exercise's id and where its reference
+    """What a worker needs of a chapter ("ch05"): each exercise's id and where its reference
     is, and where the earlier chapters' reference classes are (a later exercise may subclass
     them). Never the checks: the sandbox never imports them."""
     from ..checking import exercises
@@ -203,32 +125,6 @@ def _package_chapters() -> list[str]:
 
 def _module(e) -> str:
     return getattr(e.reference, "__module__", "") or ""
-
-
-def _new_uid() -> int:
-    """A user id for one submission: no account has it, and no other submission (of this run
-    or of another grader on the machine) is likely to."""
-    return random.randrange(2_000_000_000, 2_100_000_000)
-
-
-def _end_user(uid: int, patience: float = 60.0) -> None:
-    """Kill every process of a submission's user id and wait until /proc shows none (the
-    zygote does this already; this covers a zygote that was slow or died meanwhile, whose
-    orphans go to init, which reaps them once killed)."""
-    give_up = time.monotonic() + patience
-    while time.monotonic() < give_up:
-        found = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                with contextlib.suppress(OSError):
-                    if os.stat(f"/proc/{entry}").st_uid == uid:
-                        found.append(int(entry))
-        if not found:
-            return
-        for pid in found:
-            with contextlib.suppress(OSError):
-                os.kill(pid, 9)
-        time.sleep(0.02)
 
 
 def _from_checks(module: str) -> bool:
@@ -363,38 +259,53 @@ class Remote:
 class Connection:
     """One submission's worker: started on creation, ended by `close()`."""
 
-    def __init__(self, zygote: Zygote, memory_mb: int, on_use):
-        self.zygote, self.on_use = zygote, on_use
+    def __init__(self, cell: Jail, memory_mb: int, on_use, cpu_seconds: float = 600.0):
+        self.jail, self.on_use = cell, on_use
         self.codec = Codec("p", lambda h, t: Remote(self, h, t), _exportable, self._copy_in)
         self.codec.pickle = self._by_value
         self.codec.is_remote = lambda obj: type(obj) is Remote
         self.copies: dict[str, str] = {}
-        self.clock = time.monotonic  # what deadlines count in (the session's: see cpu.py)
-        self.deadline = time.monotonic() + 60
+        self.deadline = time.monotonic() + START_TIMEOUT
         self.request_id, self.depth = 0, 0
         self.rng: torch.Tensor | None = None  # torch's random state as the worker has it now
-        self.uid = _new_uid() if os.geteuid() == 0 else None
         self.cwd = tempfile.mkdtemp(prefix="qwen-mini-submission-", dir=SYSTEM_TMP)
-        self.output = tempfile.TemporaryFile(dir=zygote.workdir)
+        self.output = tempfile.TemporaryFile(dir=cell.workdir)
         # the checks' own files (a safetensors file they write) go with this submission
-        self.scratch = tempfile.mkdtemp(prefix="checks-", dir=zygote.workdir)
+        self.scratch = tempfile.mkdtemp(prefix="checks-", dir=cell.workdir)
         self.tempdir, tempfile.tempdir = tempfile.tempdir, self.scratch
-        if self.uid is not None:
-            os.chown(self.cwd, self.uid, self.uid)
+        self.limits = jail.Limits(os.path.basename(self.cwd), memory_mb, cpu_seconds)
         self.sock, theirs = socket.socketpair()
-        job = {"uid": self.uid, "cwd": self.cwd, "memory_mb": memory_mb}
+        info, info_w = os.pipe()
+        argv = [sys.executable, "-I", "-c", BOOT, str(theirs.fileno()), str(ROOT)]
         try:
-            self.pid = zygote.start(job, [theirs.fileno(), self.output.fileno()])
+            self.proc = subprocess.Popen(
+                jail.command(argv, self.cwd, memory_mb, cell.files, info_fd=info_w),
+                pass_fds=[theirs.fileno(), info_w],
+                stdin=subprocess.DEVNULL,
+                stdout=self.output,
+                stderr=subprocess.STDOUT,
+                cwd=self.cwd,
+                env=jail.environment(self.cwd),
+                preexec_fn=self.limits.apply,
+            )
         finally:
             theirs.close()
-        self.closed = False
+            os.close(info_w)
+        self.closed, self.pid = False, None
         self.ended: dict = {}
         try:
-            if self._next_message().get("ready") is not True:
-                raise BadMessage("the worker did not start")
+            self._send({"spec": cell.spec, "memory_mb": memory_mb})
+            ready = self._next_message()
+            if ready.get("ready") is not True:
+                self.close()
+                raise GraderError(f"the worker could not start:\n{ready.get('error')}")
         except WorkerFault:
-            self.close()  # the zygote ends it and waits for the next submission
+            self.close()
             raise
+        finally:
+            with os.fdopen(info, "rb") as f:  # bwrap wrote it before the worker started
+                os.set_blocking(f.fileno(), False)
+                self.pid = jail.jail_pid(f.read() or b"")
 
     def _by_value(self, obj):
         """A module or an object of the package or of a check: a copy for the worker (see
@@ -429,7 +340,7 @@ class Connection:
 
     def _next_message(self) -> dict:
         while True:
-            left = self.deadline - self.clock()
+            left = self.deadline - time.monotonic()
             if left <= 0:
                 raise WorkerTimeout("deadline")
             try:  # (the clock may run faster than the wall: look again soon)
@@ -438,7 +349,7 @@ class Connection:
                 raise WorkerGone("the channel broke") from None
             if not ready:
                 continue
-            self.sock.settimeout(max(0.01, self.deadline - self.clock()))
+            self.sock.settimeout(max(0.01, self.deadline - time.monotonic()))
             try:
                 return protocol.receive(self.sock)
             except TimeoutError:
@@ -449,7 +360,7 @@ class Connection:
                 raise BadMessage(str(e)) from None
 
     def _send(self, message: dict) -> None:
-        self.sock.settimeout(max(0.01, self.deadline - self.clock()))
+        self.sock.settimeout(max(0.01, self.deadline - time.monotonic()))
         try:
             protocol.send(self.sock, message)
         except TimeoutError:
@@ -569,14 +480,13 @@ class Connection:
     # ending
 
     def close(self) -> dict:
-        """End the worker and everything it started; what the zygote saw, and its output."""
+        """End the jail and everything in it; how the worker ended, and its output."""
         if not self.closed:
             self.closed = True
             with contextlib.suppress(OSError):
                 self.sock.close()
-            self.ended = self.zygote.end()
-            if self.uid is not None:  # whatever happened to the zygote: none of its uid is left
-                _end_user(self.uid)
+            self.ended = self._end()
+            self.limits.remove()
             shutil.rmtree(self.cwd, ignore_errors=True)
             shutil.rmtree(self.scratch, ignore_errors=True)
             tempfile.tempdir = self.tempdir
@@ -585,3 +495,21 @@ class Connection:
             self.ended["output_bytes"] = os.fstat(self.output.fileno()).st_size
             self.output.close()
         return self.ended
+
+    def _end(self) -> dict:
+        """{"exit": the worker's exit code (negative: a signal), "stopped": bool}. A worker that
+        sees its channel closed ends by itself; one that does not is killed, and with the jail's
+        first process the kernel kills every process of its pid namespace."""
+        stopped = jail.stopped(self.pid)
+        try:
+            code = self.proc.wait(timeout=0 if stopped else 1)
+        except subprocess.TimeoutExpired:
+            code = None
+            if self.pid is None:  # (--die-with-parent: its first process follows)
+                self.proc.kill()
+            with contextlib.suppress(OSError):
+                os.kill(self.pid or self.proc.pid, signal.SIGKILL)
+            self.proc.wait()  # bwrap ends once the kernel has ended its pid namespace
+        if code is not None and code > 128:  # bwrap's code for a worker killed by a signal
+            code = 128 - code
+        return {"exit": code, "stopped": stopped}

@@ -20,12 +20,11 @@ import torch
 
 from .. import observing
 from ..checking import crash_idea, exception_text, learner_line
-from .cpu import Clock
+from .jail import FILE_SIZE_LIMIT
 from .plan import GraderError, Reference, Submission
 from .protocol import WrongType
 from .report import Grades
-from .sandbox import BadMessage, Connection, Remote, WorkerFault, WorkerGone, WorkerTimeout, Zygote
-from .worker import FILE_SIZE_LIMIT
+from .sandbox import BadMessage, Connection, Jail, Remote, WorkerFault, WorkerGone, WorkerTimeout
 
 LOST_OBJECT = (
     "its process died while an earlier exercise was checked, and running the notebook again up "
@@ -41,15 +40,15 @@ class Options:
 
 
 class Session:
-    def __init__(self, sub: Submission, ref: Reference, zygote: Zygote, options: Options):
-        self.sub, self.ref, self.zygote, self.options = sub, ref, zygote, options
+    def __init__(self, sub: Submission, ref: Reference, jail: Jail, options: Options):
+        self.sub, self.ref, self.jail, self.options = sub, ref, jail, options
         self.grades = Grades(sub.name, {e.id: e.points for e in ref.exercises})
         self.grades.warnings += sub.warnings
         self.entries = {e.id: e for e in ref.exercises}
         self.conn: Connection | None = None
         self.log: list[tuple] = []  # what a new worker replays: ("cell", i, src) / ("fallback", x)
         self.graded: set[str] = set()
-        self.clock = Clock()  # the notebook's time, as if it ran alone (see cpu.py)
+        self.clock = time.monotonic  # the notebook's time (its jail's cgroup: a fair CPU share)
         self.end_of_budget = self.clock() + options.budget
         self.replayed: dict[int, list] = {}  # cell index -> what it checked, in this worker
 
@@ -60,9 +59,13 @@ class Session:
 
     def _connect(self) -> Connection:
         if self.conn is None:
-            conn = self.conn = Connection(self.zygote, self.options.memory_mb, self._use)
-            conn.clock = self.clock
-            self.clock.follow(conn.pid, conn.uid)
+            options = self.options
+            started = self.clock()
+            conn = Connection(self.jail, options.memory_mb, self._use, options.budget)
+            # starting a jail (Python and torch) is the grader's time, not the notebook's: a
+            # notebook whose cells crash it four times is not charged four starts on a busy machine
+            self.end_of_budget += self.clock() - started
+            self.conn = conn
             self.replayed = {}
             try:
                 for entry in self.log:  # the state before the failure, without the bad cell
@@ -381,14 +384,14 @@ def _cell_failure(result: dict) -> tuple[str, str]:
     return "crashed", f"your cell {error}"
 
 
-def grade_notebook(sub: Submission, ref: Reference, zygote: Zygote, options: Options) -> Grades:
+def grade_notebook(sub: Submission, ref: Reference, jail: Jail, options: Options) -> Grades:
     if sub.error:
         grades = Grades(sub.name, {e.id: e.points for e in ref.exercises})
         grades.error = f"{sub.name}: {sub.error}"
         for exercise in ref.ids:
             grades.set(exercise, "unreadable", f"the notebook {sub.error}")
         return grades
-    session = Session(sub, ref, zygote, options)
+    session = Session(sub, ref, jail, options)
     try:
         return session.run()
     except (WorkerFault, Exception) as e:

@@ -1,29 +1,22 @@
-"""What runs on the sandbox side: the zygote, and in each forked worker the learner's cells.
+"""What runs in the jail (jail.py): the worker, which runs the learner's cells.
 
-The zygote (`python -I`, trusted, started once per grading slot) imports torch, IPython's cell
-transformer and the chapter's references (never its checks: the grader says where each reference
-is), notes what every reference is made of, then forks one worker per submission. A worker
-enters a view of the machine of its own (isolation.py), drops to an unprivileged user of its own
-(when the grader runs as root), sets its limits, and then obeys the grader: run cell N, look up
-a name, call a method of an object of its own, report whether an exercise's reference ran. It
-never compares anything: the checks run in the grader, on values this process sends as plain
-data.
-
-When a submission is done, the zygote kills every process it left behind: the worker's session,
-every process of its user id, and every orphan reparented to the zygote (a child subreaper), so
-`setsid` and double forks do not escape.
+A worker (`python -I`, started by the grader in a bubblewrap jail of its own, one per
+submission) imports torch, IPython's cell transformer and the chapter's references (never its
+checks: the grader says where each reference is), notes what every reference is made of, sets
+its last limits, and then obeys the grader: run cell N, look up a name, call a method of an
+object of its own, report whether an exercise's reference ran. It never compares anything: the
+checks run in the grader, on values this process sends as plain data. Whatever it starts ends
+with its jail (the jail's pid namespace).
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
-import ctypes
 import errno
 import importlib
 import importlib.util
 import io
-import json
 import os
 import resource
 import signal
@@ -33,23 +26,15 @@ import tempfile
 import time
 import traceback
 import types
-from pathlib import Path
 
 from .. import observing
 from ..checking import exception_text, learner_line
-from . import byvalue, isolation, protocol
+from . import byvalue, protocol
+from .jail import PROCESS_LIMIT
 from .monitor import Monitor, Snapshot, changed
 from .protocol import Codec, Handle, ProtocolError
 
-FILE_SIZE_LIMIT = 64 * 2**20  # bytes: a submission may write files, but not fill the disk
-# a worker's memory cgroup also counts the zygote's pages it writes to (copy-on-write)
-COPY_HEADROOM_MB = 256  # measured: about 25 MB once started
-PROCESS_LIMIT = 64  # processes of a submission's user (fork bombs)
-PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG = 36, 1
-KEPT_ENV = {"PATH", "LANG", "LANGUAGE", "TZ", "TERM", "MPLBACKEND", "MKL_NUM_THREADS"}
-_DROPPED = False  # this process runs as a user id of its own
-_FROM_FILES: list[str] = []  # the files references were loaded from (an extra chapter's checks)
-_PIECES: dict[str, object] = {}  # earlier chapters' references, by exercise id (the zygote's)
+_PIECES: dict[str, object] = {}  # earlier chapters' references, by exercise id
 
 
 # --- the worker ----------------------------------------------------------------------------------
@@ -118,6 +103,7 @@ class Worker:
         from IPython.core.inputtransformer2 import TransformerManager
 
         self.sock, self.snap = sock, snapshot
+        self.pid = os.getpid()
         self.transform = TransformerManager().transform_cell
         self.codec = Codec("w", lambda h, t: ParentObject(self, h, t))
         self.monitor = Monitor(snapshot)
@@ -151,6 +137,14 @@ class Worker:
 
     # channel
 
+    def send(self, message: dict) -> None:
+        """Only the worker speaks on the channel: a copy of it that the learner's code forked
+        (a fork bomb's, or `os.fork()` whose child runs on) ends here instead of answering the
+        grader in the worker's name."""
+        if os.getpid() != self.pid:
+            os._exit(0)
+        protocol.send(self.sock, message)
+
     def ask(self, message: dict):
         """Send a request to the grader and serve its requests until the answer comes."""
         self.request_id += 1
@@ -158,7 +152,7 @@ class Worker:
         for key in ("args", "kwargs", "value", "obj"):
             if key in message:
                 message[key] = self.codec.encode(message[key])
-        protocol.send(self.sock, message)
+        self.send(message)
         return self.serve(until=self.request_id)
 
     def serve(self, until=None):
@@ -197,7 +191,7 @@ class Worker:
             if not torch.equal(state, self.rng_reported):
                 result["rng"] = protocol.rng_text(state)
                 self.rng_reported = state
-        protocol.send(self.sock, dict(result, id=message.get("id")))
+        self.send(dict(result, id=message.get("id")))
 
     @contextlib.contextmanager
     def observed(self, op):
@@ -331,6 +325,8 @@ class Worker:
             self.exec_source(text, f"<cell {index}>")
         except BaseException as e:
             result = {"ok": False, "kind": _kind(e), "error": _describe(e, f"<cell {index}>")}
+        if os.getpid() != self.pid:  # a copy the cell forked ran on to here: see send()
+            os._exit(0)
         sys.stdout.flush()
         sys.stderr.flush()
         result["notes"] = self.notes
@@ -388,86 +384,23 @@ def _describe(e: BaseException, filename: str) -> str:
     return f"raised {exception_text(e)}{at}"
 
 
-def _helpers_alive() -> str:
+def _helpers_alive(grace: float = 2.0) -> str:
     """Threads or processes the submission started that still run (they would escape the
-    monitor while an exercise is checked)."""
-    me, uid = os.getpid(), os.getuid()
-    if not _DROPPED:
-        return ""
-    for pid in _pids():
-        if pid != me and _uid_of(pid) == uid:
-            return f"process {pid}"
-    return ""
-
-
-# --- processes -----------------------------------------------------------------------------------
-
-
-def _pids() -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
-
-
-def _uid_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("Uid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        return None
-    return None
-
-
-def _parent_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _state_of(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError):
-        return ""
-
-
-def _descendants(root: int) -> set[int]:
-    parents = {pid: _parent_of(pid) for pid in _pids()}
-    found, frontier = set(), {root}
-    while frontier:
-        frontier = {p for p, parent in parents.items() if parent in frontier and p not in found}
-        found |= frontier
-    return found
-
-
-def sweep(uid: int | None, patience: float = 60.0) -> int:
-    """Kill every descendant of this process (orphans are reparented here: a subreaper) and
-    every process of `uid`, until none is left (a machine under load can take seconds to end a
-    fork bomb: the limit is time, not a number of rounds); reap them. How many were left."""
-    me = os.getpid()
-    give_up = time.monotonic() + patience
-    victims: set[int] = set()
-    while time.monotonic() < give_up:
-        victims = _descendants(me)
-        if uid is not None:
-            victims |= {p for p in _pids() if _uid_of(p) == uid}
-        victims.discard(me)
-        for pid in victims:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+    monitor while an exercise is checked): in the jail's pid namespace, any live process but
+    its first (bwrap's, which reaps orphans) and this one. Copies that are ending (a fork
+    bomb's, after its fork fails) get `grace` seconds to go."""
+    me, until = os.getpid(), time.monotonic() + grace
+    while True:
         _reap()
-        if not victims:
-            return 0
-        time.sleep(0.01)
-    return len(victims)
+        others = [p for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me)]
+        alive = [p for p in others if _runs(p)]
+        if not alive or time.monotonic() > until:
+            return f"process {alive[0]}" if alive else ""
+        time.sleep(0.05)
 
 
 def _reap() -> None:
+    """Collect this process's ended children (they stay in /proc until it does)."""
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -477,14 +410,18 @@ def _reap() -> None:
             return
 
 
-def _prctl(option: int, value: int) -> None:
+def _runs(pid: str) -> bool:
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: no subreaper; the process group and the user id still apply
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False  # gone while we looked
 
 
-def _limit(memory_mb: int, uid: int | None) -> None:
+def _settle(memory_mb: int) -> None:
+    """Before any learner code, once Python, torch and the references are loaded: the address
+    space this process has now plus the memory limit; at most PROCESS_LIMIT processes (counted
+    in the jail's user namespace); the worker's output, its imports."""
     try:
         with open("/proc/self/status") as f:
             size_kb = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
@@ -492,42 +429,12 @@ def _limit(memory_mb: int, uid: int | None) -> None:
         size_kb = 0
     limit = size_kb * 1024 + memory_mb * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    resource.setrlimit(resource.RLIMIT_NPROC, (PROCESS_LIMIT, PROCESS_LIMIT))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write fails instead of killing
-    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if uid is not None:  # counts the processes of this user id, which is the submission's own
-        resource.setrlimit(resource.RLIMIT_NPROC, (PROCESS_LIMIT, PROCESS_LIMIT))
-
-
-def _become(job: dict) -> None:
-    """In the forked child: a session of its own, its own view of the machine (isolation.py),
-    limits, the submission's user, its folder and its own temporary space."""
-    os.setsid()
-    uid = job.get("uid")
-    view = job.get("view")
-    if view:
-        limit = (job["memory_mb"] + COPY_HEADROOM_MB) * 2**20
-        isolation.join_memory_group(_group_name(os.getpid(), job), limit)
-        isolation.enter(Path(view["root"]), job["cwd"], job["memory_mb"], **view["paths"])
-    _limit(job["memory_mb"], uid)
-    if uid is not None:
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
-        global _DROPPED
-        _DROPPED = True
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote gone: nothing left to answer to
-    os.chdir(job["cwd"])
-    temporary = "/tmp" if view else job["cwd"]  # a private /tmp, or the submission's folder
-    keep = {k: v for k, v in os.environ.items() if k in KEPT_ENV or k.startswith(("LC_", "OMP_"))}
-    os.environ.clear()  # nothing of the grader's environment (a sudo command line...)
-    os.environ.update(keep, HOME=job["cwd"], TMPDIR=temporary, QWEN_MINI_CHECKS="learner")
-    os.environ["QWEN_MINI_MINE"] = "off"  # mine(...) is the package's piece, as for nbgrader
-    tempfile.tempdir = None  # computed again from TMPDIR, not the zygote's cached choice
+    tempfile.tempdir = None
     sys.dont_write_bytecode = True
-    if uid is not None:  # nothing importable from a folder it can write
-        sys.path[:] = [p for p in sys.path if not os.access(p, os.W_OK)]
-        sys.path_importer_cache.clear()
+    sys.path[:] = [p for p in sys.path if p and not os.access(p, os.W_OK)]  # none it can write
+    sys.path_importer_cache.clear()
     sys.stdout = _output(1)
     sys.stderr = _output(2)
 
@@ -560,15 +467,7 @@ def _output(fd: int) -> io.TextIOWrapper:
     return io.TextIOWrapper(buffered, errors="backslashreplace", line_buffering=True)
 
 
-def _group_name(pid: int, job: dict) -> str:
-    return f"{pid}-{job.get('uid')}"
-
-
-def _worker_main(job: dict, sock: socket.socket, output: int, snapshot: Snapshot) -> None:
-    os.dup2(output, 1)
-    os.dup2(output, 2)
-    os.close(output)
-    _become(job)
+def _worker_main(sock: socket.socket, snapshot: Snapshot) -> None:
     import qwen_mini.course as course
     from qwen_mini.course import checking
 
@@ -587,7 +486,7 @@ def _worker_main(job: dict, sock: socket.socket, output: int, snapshot: Snapshot
 
 def _reference_of(pieces: dict):
     """`checking.reference` in the sandbox, where no check module can be imported: the
-    package's pieces the zygote located (this chapter's and the earlier chapters')."""
+    package.s pieces the worker located (this chapter's and the earlier chapters')."""
     from qwen_mini.course.checking import UnknownExercise
 
     def reference(exercise_id: str):
@@ -598,7 +497,7 @@ def _reference_of(pieces: dict):
     return reference
 
 
-# --- the zygote ----------------------------------------------------------------------------------
+# --- loading ----------------------------------------------------------------------------------
 
 
 def _locate(where: list) -> object:
@@ -613,7 +512,6 @@ def _locate(where: list) -> object:
             spec = importlib.util.spec_from_file_location(module, file)
             sys.modules[module] = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(sys.modules[module])
-            _FROM_FILES.append(os.path.realpath(file))
     obj = sys.modules[module]
     for name in qualname.split("."):
         obj = getattr(obj, name)
@@ -628,57 +526,15 @@ def _references(spec: dict) -> tuple[list, set]:
     return found, {_locate(w) for w in spec["earlier"]}
 
 
-def _in_child(fn) -> str:
-    """Run `fn` in a forked child (it may mount, chroot or switch users); the text it returns,
-    or what it raised."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            try:
-                text = fn()
-            except BaseException as e:
-                text = exception_text(e)
-            os.write(w, text.encode()[:2000])
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        text = f.read().decode(errors="replace")
-    os.waitpid(pid, 0)
-    return text
-
-
-def _view(workdir: Path) -> tuple[dict | None, str]:
-    """The worker's view of the machine (isolation.py) if this machine lets the zygote build it
-    (tried once, in a child), else None and why (not root, namespaces forbidden)."""
-    if os.geteuid() != 0:
-        return None, "the grader does not run as root"
-    root, probe = workdir / "view", workdir / "probe"
-    root.mkdir(exist_ok=True)
-    probe.mkdir(exist_ok=True)
-    paths = {"visible": isolation.visible_paths(), "hidden": isolation.hidden_paths()}
-    paths["files"] = _FROM_FILES
-
-    def attempt() -> str:
-        isolation.enter(root, str(probe), 16, **paths)
-        return ""
-
-    why = _in_child(attempt)
-    return (None, why) if why else ({"root": str(root), "paths": paths}, "")
-
-
-def _unreadable(paths: list[str]) -> str:
-    """As a user of no account, the first of `paths` it cannot read ("" if none)."""
-    return _in_child(lambda: isolation.readable_problem(2_099_999_999, paths))
-
-
-def serve_zygote(sock_fd: int, chapter: str) -> None:
+def serve(sock_fd: int) -> None:
+    """The worker, in its jail: load torch and the chapter's references (never its checks: the
+    grader says where each reference is), note what they are made of, then obey the grader."""
     sock = socket.socket(fileno=sock_fd)
+    os.environ.pop("PWD", None)  # bwrap sets it after --chdir; the jail's environment is the list
     try:
+        job = protocol.receive(sock)
         import torch
-        import torch._dynamo  # noqa: F401  (imported once here, so that importing it is no change)
+        import torch._dynamo  # noqa: F401  (imported before learner code: importing it is no change)
         import torch._inductor.config
 
         # torch.compile compiles in the process itself (no pool of compile workers, which a
@@ -686,67 +542,18 @@ def serve_zygote(sock_fd: int, chapter: str) -> None:
         # precompiled headers (a file of 150 MB, over the file size limit)
         torch._inductor.config.compile_threads = 1
         torch._inductor.config.cpp_cache_precompile_headers = False
-        from IPython.core.inputtransformer2 import TransformerManager  # noqa: F401
-
-        import qwen_mini
-
         torch.set_num_threads(1)
         os.environ.setdefault("MPLBACKEND", "Agg")
-        with contextlib.suppress(ImportError):  # once here, not once per notebook (and its fonts)
+        with contextlib.suppress(ImportError):  # its fonts, before the limits
             import matplotlib.pyplot as plt
 
             plt.figure()
             plt.close("all")
-        found, earlier = _references(protocol.receive(sock))
+        found, earlier = _references(job["spec"])
         snapshot = Snapshot(found, earlier=earlier)
-        view, why = _view(Path.cwd())
-        problem = ""
-        if view is None and os.geteuid() == 0:  # users switch, but see the machine as it is
-            needed = [sys.executable, *sys.path, *(m.__file__ for m in (qwen_mini, torch))]
-            problem = _unreadable([p for p in needed if p and os.path.exists(p)])
-        _prctl(PR_SET_CHILD_SUBREAPER, 1)
-        ready = {"ready": True, "exercises": [e.id for e in found], "not_isolated": why}
-        protocol.send(sock, dict(ready, unreadable=problem))
+        _settle(int(job["memory_mb"]))
     except BaseException:
-        protocol.send(sock, {"ready": False, "error": traceback.format_exc()})
+        with contextlib.suppress(OSError):
+            protocol.send(sock, {"ready": False, "error": traceback.format_exc()[-4000:]})
         return
-    while True:
-        try:
-            message, fds, _, _ = socket.recv_fds(sock, 65536, 2)
-        except OSError:
-            return
-        if not message:
-            return
-        job = dict(json.loads(message), view=view)
-        pid = os.fork()
-        if pid == 0:
-            try:
-                sock.close()
-                _worker_main(job, socket.socket(fileno=fds[0]), fds[1], snapshot)
-            finally:
-                os._exit(0)
-        for fd in fds:
-            os.close(fd)
-        protocol.send(sock, {"pid": pid})
-        try:
-            protocol.receive(sock)  # {"end": ...}: the grader is done with this submission
-        except (EOFError, OSError, ProtocolError):
-            sweep(job.get("uid"))
-            if view:
-                isolation.leave_memory_group(_group_name(pid, job))
-            return
-        stopped = _state_of(pid) == "T"
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        code = None
-        try:
-            _, status = os.waitpid(pid, 0)
-            code = os.waitstatus_to_exitcode(status)
-        except ChildProcessError:
-            pass
-        left = sweep(job.get("uid"))
-        if view:
-            isolation.leave_memory_group(_group_name(pid, job))
-        protocol.send(sock, {"exit": code, "stopped": stopped, "left": left})
+    _worker_main(sock, snapshot)
