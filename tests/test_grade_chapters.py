@@ -113,7 +113,8 @@ CHEATS = {
     7: (
         "ch07-019",
         "ch07.greedy_accept",
-        'from qwen_mini.acceptance import greedy_accept\n\ncheck("ch07.greedy_accept", greedy_accept)',
+        "from qwen_mini.acceptance import greedy_accept\n\n"
+        'check("ch07.greedy_accept", greedy_accept)',
     ),
 }
 
