@@ -5,7 +5,7 @@ rollback).
 Expected values come from hand-worked examples, from naive loops written here (a tensor-by-tensor
 count that skips repeated storage, greedy decoding recomputed from scratch without a cache) and,
 for the rejection rule, from the distribution it must reproduce: thousands of draws with a fixed
-generator compared with the model's p within a stated tolerance.
+generator (torch seeded) compared with the model's p within a stated tolerance.
 """
 
 from __future__ import annotations
@@ -237,15 +237,16 @@ def greedy_counts_rejected(drafts, targets):
 # --- accept_or_resample --------------------------------------------------------------------------
 
 ACCEPT = "ch07.accept_or_resample"
-DRAWS = 8000  # standard error of a frequency <= 0.0056: the tolerance 0.03 is over 5 of them
+DRAWS = 2000  # standard error of a frequency <= 0.0112: the tolerance 0.05 is over 4 of them
 
 
 def _statistics(impl, p, q):
-    """Draw DRAWS drafts from q and pass each through `impl` with one fixed generator."""
-    g_draft, g_rule = seeded(1), seeded(2)
+    """Draw DRAWS drafts from q (a fixed generator) and pass each through `impl`, which draws
+    from torch's global generator (seeded alike for every implementation; a generator object
+    cannot cross to the grader's sandbox)."""
     counts, kept = torch.zeros(p.shape[0]), 0
-    for d in torch.multinomial(q, DRAWS, replacement=True, generator=g_draft).tolist():
-        token, ok = impl(p, q, d, g_rule)
+    for d in torch.multinomial(q, DRAWS, replacement=True, generator=seeded(1)).tolist():
+        token, ok = impl(p, q, d)
         counts[int(token)] += 1
         kept += bool(ok)
     return {
@@ -279,7 +280,7 @@ for _name, _p, _q in [
         lambda g, p=_p, q=_q: (torch.tensor(p), torch.tensor(q)),
         _statistics,
         _exact_distribution,
-        atol=0.03,
+        atol=0.05,
     )
 
 
@@ -291,15 +292,14 @@ def _random_pair(g):
 
 
 case(
-    ACCEPT, "random p and q", _random_pair, _statistics, _exact_distribution, atol=0.03, hidden=True
+    ACCEPT, "random p and q", _random_pair, _statistics, _exact_distribution, atol=0.05, hidden=True
 )
 
 
 def _always_kept(impl):
     """Drafts the model likes at least as much as the draft did: kept every time."""
     p, q = torch.tensor([0.4, 0.4, 0.1, 0.1]), torch.tensor([0.25, 0.25, 0.25, 0.25])
-    g = seeded(3)
-    return [tuple(map(type_free, impl(p, q, t, g))) for t in (0, 1) for _ in range(20)]
+    return [tuple(map(type_free, impl(p, q, t))) for t in (0, 1) for _ in range(20)]
 
 
 def type_free(x):
@@ -318,8 +318,7 @@ case(
 def _never_kept(impl):
     """A draft the model gives no probability: never kept, never returned."""
     p, q = torch.tensor([0.0, 0.5, 0.5]), torch.tensor([0.5, 0.25, 0.25])
-    g = seeded(4)
-    out = [impl(p, q, 0, g) for _ in range(40)]
+    out = [impl(p, q, 0) for _ in range(40)]
     return {
         "times the draft was accepted": sum(bool(ok) for _, ok in out),
         "times token 0 (p = 0) was returned": sum(int(t) == 0 for t, _ in out),
