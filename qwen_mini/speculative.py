@@ -33,6 +33,7 @@ from contextlib import contextmanager
 
 import torch
 
+from .acceptance import accept_or_resample, greedy_accept
 from .cache import Cache
 from .sampling import Sampling, penalised_logits, token_probabilities
 
@@ -222,22 +223,7 @@ def make_draft(draft, model):
     return ModelDraft(draft, model)
 
 
-# --- accepting -----------------------------------------------------------------------------------
-
-
-def accept_or_resample(
-    p: torch.Tensor, q: torch.Tensor, token: int, generator=None
-) -> tuple[int, bool]:
-    """The rejection rule for one draft `token` drawn from q [V], the model's distribution p [V]:
-    (the token, True) with probability min(1, p/q), else (a token drawn from max(0, p - q)
-    renormalised, False). The result is distributed as p, whatever q."""
-    u = torch.rand((), generator=generator, device=p.device)
-    if u * q[token] < p[token]:  # u < p/q, written without dividing by a q of 0
-        return token, True
-    residual = (p - q).clamp(min=0)
-    if not residual.sum() > 0:  # p == q up to rounding: the rejection had no mass
-        residual = p
-    return int(torch.multinomial(residual / residual.sum(), 1, generator=generator)), False
+# --- decoding ------------------------------------------------------------------------------------
 
 
 def speculative_decode(
@@ -272,6 +258,31 @@ def speculative_decode(
             torch.multinomial(token_probabilities(logits.float(), s), 1, generator=generator)
         )
 
+    def targets(logits, drafts) -> list[int]:
+        """Greedy: the model's choice at each position of the pass, the penalties counting the
+        drafts before it as kept (a choice matters only when they were)."""
+        marked, context, out = seen.clone(), in_context.clone(), []
+        for i in range(len(drafts) + 1):
+            out.append(int(penalised_logits(logits[i].float(), marked, s, context).argmax()))
+            if i < len(drafts):
+                marked[drafts[i]] = context[drafts[i]] = True
+        return out
+
+    def sample_accept(logits, drafts, draft_logits) -> tuple[int, int]:
+        """Sampling: the rejection rule draft by draft, the bonus token after k kept."""
+        marked, context = seen.clone(), in_context.clone()
+
+        def p(i):  # the model's distribution at position i, the kept drafts marked
+            return token_probabilities(penalised_logits(logits[i].float(), marked, s, context), s)
+
+        for n, d in enumerate(drafts):
+            q = token_probabilities(draft_logits[n].float(), s)
+            chosen, ok = accept_or_resample(p(n), q, d, generator)
+            if not ok:
+                return n, chosen
+            marked[d] = context[d] = True
+        return len(drafts), int(torch.multinomial(p(len(drafts)), 1, generator=generator))
+
     if max_new_tokens == 0:
         return
     cache, count = model.new_cache(1), 0
@@ -294,24 +305,16 @@ def speculative_decode(
             ids = torch.tensor([[token] + drafts], device=device)
             logits = model(ids, cache=cache)[0]  # [k + 1, V]: after the pending token, each draft
             hidden = box.get("h")
-            n = 0  # drafts accepted
-            while True:
-                if greedy:
-                    chosen = choose(logits[n])
-                    ok = n < k and chosen == drafts[n]
-                elif n < k:
-                    q = token_probabilities(draft_logits[n].float(), s)
-                    chosen, ok = accept_or_resample(target(logits[n]), q, drafts[n], generator)
-                else:
-                    chosen, ok = choose(logits[n]), False  # the bonus token
-                if not ok:
-                    break
-                seen[chosen] = in_context[chosen] = True
-                yield chosen
+            if greedy:  # the kept prefix and the model's own token after it
+                n, chosen = greedy_accept(drafts, targets(logits, drafts))
+            else:
+                n, chosen = sample_accept(logits, drafts, draft_logits)
+            for t in drafts[:n]:  # the kept drafts; `chosen` is the next round's pending token
+                seen[t] = in_context[t] = True
+                yield t
                 count += 1
-                if chosen in stop or count == max_new_tokens:
+                if t in stop or count == max_new_tokens:
                     return
-                n += 1
             draft.proposed, draft.accepted = draft.proposed + k, draft.accepted + n
             fed = [token] + drafts[:n]
             if n < k:  # the rejected drafts leave the caches

@@ -877,7 +877,7 @@ SIZES = [
 EXTRA += [m[:3] for m in MESSAGES] + SIZES
 ABSENT = {source: absent for _, source, _, absent in MESSAGES}  # what each message must not say
 
-CHAPTER_IDS = ["ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06"]
+CHAPTER_IDS = ["ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07"]
 
 
 def corpus() -> list[tuple[str, object, str]]:
@@ -1010,7 +1010,7 @@ CHAPTERS = sorted({int(c[0][2:4]) for c in CORPUS})
 
 
 def test_the_corpus_reaches_every_chapter_and_fails_in_the_notebook():
-    assert CHAPTERS == [0, 1, 2, 3, 4, 5, 6] and len(CORPUS) >= 200
+    assert CHAPTERS == [0, 1, 2, 3, 4, 5, 6, 7] and len(CORPUS) >= 200
     for exercise, wrong, idea in EXTRA:  # the notebook's verdict, which the grader must give
         namespace = {}
         exec(SETUP.replace("from qwen_mini.course import check", "") + "\n" + wrong, namespace)

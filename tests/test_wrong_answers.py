@@ -10,7 +10,7 @@ import torch
 
 from qwen_mini.course import checking
 
-CHAPTERS = ["ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06"]
+CHAPTERS = ["ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07"]
 EXERCISES = [e for chapter in CHAPTERS for e in checking.exercises(chapter)]
 # every catalogued mistake (exercise_id, name, fn, idea, public): data for other tests too
 CATALOGUE = [m for chapter in CHAPTERS for m in checking.catalogue(chapter)]
@@ -85,6 +85,7 @@ NO_NUMBERS = {
     "ch06.select_blocks",
     "ch06.shift_within_segment",
     "ch06.ngram_memory",
+    *(e.id for e in checking.exercises("ch07")),  # byte counts, token ids and decisions
 }
 
 
