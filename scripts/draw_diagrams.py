@@ -907,6 +907,46 @@ def ch06_streams() -> str:
     return c.svg()
 
 
+# --- chapter 7: one round of speculative decoding ---------------------------------------------
+
+
+def ch07_speculative() -> str:
+    c = Canvas(17, 8.6, "Chapter 7: one round of speculative decoding (greedy, k = 3)")
+    xs = [3.2, 5.4, 7.6, 9.8]
+    # the draft proposes k tokens after the pending token t
+    c.text(0.4, 7.1, "draft", size=9.5, ha="left", weight="bold")
+    c.box(xs[0], 7.1, 1.5, 0.7, "t", STATE)
+    for i, x in enumerate(xs[1:], 1):
+        c.box(x, 7.1, 1.5, 0.7, f"d{i}", LINEAR)
+        c.arrow((xs[i - 1] + 0.75, 7.1), (x - 0.75, 7.1), color=GREY)
+    c.text(11.0, 7.1, "a cheap guesser: a small model,\nor the model's own MTP head",
+           size=8.5, ha="left", color="#374151")  # fmt: skip
+    # the model runs once over [t, d1, d2, d3]
+    c.box(6.5, 5.4, 9.2, 0.8, "the model: one pass over [t, d1, d2, d3]", MIXER, mono=False)
+    for x in xs:
+        c.arrow((x, 6.75), (x, 5.8))
+    targets = ["y0", "y1", "y2", "y3"]
+    for x, y in zip(xs, targets, strict=True):
+        c.arrow((x, 5.0), (x, 4.25))
+        c.box(x, 3.9, 1.5, 0.7, y, OP)
+    c.text(11.0, 3.9, "y_i: the model's argmax after input i", size=8.5, ha="left")
+    # compare: d1 == y0, d2 == y1, d3 != y2
+    marks = [("d1 = y0", "#15803d"), ("d2 = y1", "#15803d"), ("d3 ≠ y2", "#b91c1c")]
+    for (label, colour), x in zip(marks, xs, strict=False):
+        c.text(x + 1.1, 2.85, label, size=9, color=colour)
+    # the result: kept drafts plus one token of the model's own
+    c.text(0.4, 1.5, "kept", size=9.5, ha="left", weight="bold")
+    c.box(xs[0], 1.5, 1.5, 0.7, "t", STATE)
+    c.box(xs[1], 1.5, 1.5, 0.7, "d1", LINEAR)
+    c.box(xs[2], 1.5, 1.5, 0.7, "d2", LINEAR)
+    c.box(xs[3], 1.5, 1.5, 0.7, "y2", NEW)
+    c.text(11.0, 1.75, "n = 2 drafts kept, then y2, the model's correction", size=8.5, ha="left")
+    c.text(11.0, 1.2, "(all kept: y3, the bonus token)", size=8.5, ha="left")
+    c.text(11.0, 0.55, "cache: rolled back to before + 1 + n", size=8.5, ha="left",
+           color="#9a3412")  # fmt: skip
+    return c.svg()
+
+
 DIAGRAMS = {
     "ch00_model.svg": ch00_model,
     "ch01_gqa.svg": ch01_gqa,
@@ -917,6 +957,7 @@ DIAGRAMS = {
     "ch05_hybrid.svg": ch05_hybrid,
     "ch06_sparse_attention.svg": ch06_sparse_attention,
     "ch06_streams.svg": ch06_streams,
+    "ch07_speculative.svg": ch07_speculative,
 }
 
 
