@@ -32,12 +32,16 @@ from qwen_mini.rope_scaling import rotary_cos_sin
 def moe_counts(path: Path) -> dict:
     """Parameters of the config at `path` (a folder), built on the meta device: routed experts,
     embedding and head, n-gram tables, the rest; the total and the active count (the experts at
-    k/E, the embedding and head left out, as the model cards count)."""
+    k/E, the embedding and head left out, as the model cards count). The MTP head (chapter 7) is
+    counted apart, as the cards count it."""
     cfg = qwen_mini.config_from_file(path / "config.json")
     model = meta_model(cfg)
     parts = {"experts": 0, "embedding": 0, "ngram": 0, "rest": 0}
+    mtp = 0
     for name, p in model.named_parameters():
-        if ".mlp.experts." in name:
+        if name.startswith("mtp."):
+            mtp += p.numel()
+        elif ".mlp.experts." in name:
             parts["experts"] += p.numel()
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             parts["embedding"] += p.numel()
@@ -46,7 +50,7 @@ def moe_counts(path: Path) -> dict:
         else:
             parts["rest"] += p.numel()
     active = parts["rest"] + parts["experts"] * cfg.num_experts_per_tok // cfg.num_experts
-    return dict(parts, cfg=cfg, total=sum(parts.values()), active=active)
+    return dict(parts, cfg=cfg, total=sum(parts.values()), active=active, mtp=mtp)
 
 
 def qwen3_moe_counts(path: Path) -> dict:
@@ -65,7 +69,7 @@ def qwen3_moe_counts(path: Path) -> dict:
     experts = L * E * 3 * H * I
     embedding = c.vocab_size * H * (1 if c.tie_word_embeddings else 2)
     active = rest + experts * c.num_experts_per_tok // E
-    return dict(experts=experts, embedding=embedding, ngram=0, rest=rest, cfg=c,
+    return dict(experts=experts, embedding=embedding, ngram=0, rest=rest, cfg=c, mtp=0,
                 total=experts + embedding + rest, active=active)  # fmt: skip
 
 

@@ -77,17 +77,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout",
         type=float,
-        default=30.0,
-        help="seconds per cell and per exercise's checks (30)",
+        default=Options.timeout,
+        help=f"seconds per cell and per exercise's checks ({Options.timeout:g})",
     )
     p.add_argument(
-        "--budget", type=float, default=300.0, help="seconds per notebook, all included (300)"
+        "--budget",
+        type=float,
+        default=Options.budget,
+        help=f"seconds per notebook, all included ({Options.budget:g})",
     )
     p.add_argument(
         "--memory-mb",
         type=int,
-        default=2048,
-        help="memory a submission may use beyond the grader's own (2048)",
+        default=Options.memory_mb,
+        help=f"memory a submission may use beyond the grader's own ({Options.memory_mb})",
     )
     p.add_argument(
         "--solutions",
