@@ -1,3 +1,6 @@
+# Generated from solutions/ch07_fast_decoding.ipynb by python -m qwen_mini.course.build —
+# edit the notebook, not this file.
+
 """Multi-token prediction (MTP): the small head Qwen3-Next, Qwen3.5 and Qwen3.8 ship under `mtp.`
 to guess the token after next, the draft of speculative decoding (qwen_mini.speculative).
 
@@ -16,14 +19,12 @@ chained step are alike. The layout comes from vLLM's qwen3_next_mtp.py / qwen3_5
 transformers model reads `mtp.*`).
 """
 
-from __future__ import annotations
-
 import torch
 from torch import nn
 
-from .cache import Cache
-from .config import Config
-from .rope_scaling import rotary_cos_sin
+from qwen_mini.cache import Cache
+from qwen_mini.config import Config
+from qwen_mini.rope_scaling import rotary_cos_sin
 
 
 def mtp_layer(cfg: Config, i: int, arch) -> nn.Module:

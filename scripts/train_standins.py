@@ -40,16 +40,14 @@ from safetensors.torch import load_file, save_file
 
 from qwen_mini.architectures import config_from_dict
 from qwen_mini.checkpoint import build_model, checkpoint_name, meta_model
+from qwen_mini.course.experiments.ch07 import CORPUS, HELD_OUT, books, kept_shares
 from qwen_mini.runtime import ThreadedLinear
-from qwen_mini.sampling import Sampling
-from qwen_mini.speculative import hidden_states, make_draft, speculative_decode
+from qwen_mini.speculative import hidden_states
 from qwen_mini.standin import STANDINS, TRAINED, load_standin, standin_file
 from qwen_mini.standin import _random_weights as random_weights
 from qwen_mini.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-CORPUS = ROOT / "assets" / "data" / "kjv_narratives.txt"
-HELD_OUT = "Jonah"  # the book left out of training: the test's unseen text
 # the books of the corpus and their verse ranges, as `bible -f` reads them (all of each book)
 BOOKS = {
     "Genesis": "gen1:1-50:26",
@@ -99,12 +97,6 @@ def extract_corpus(bible: str, data_dir: str) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def books(text: str) -> dict[str, str]:
-    """{book: its text} from the corpus file's `=== Book ===` sections."""
-    pieces = re.split(r"^=== (\w+) ===\n", text, flags=re.M)
-    return {pieces[i]: pieces[i + 1].strip() for i in range(1, len(pieces), 2)}
-
-
 def chapters_of(text: str) -> list[str]:
     return [c for c in text.split("\n\n") if c.strip()]
 
@@ -115,8 +107,7 @@ def training_text(name: str) -> tuple[list[list[int]], list[list[int]]]:
     user turn and an assistant reply (with Qwen3's empty thinking block around a sentence)."""
     tok = load_tokenizer(name)
     eot = tok.token_to_id("<|endoftext|>")
-    text = CORPUS.read_text(encoding="utf-8")
-    train_books = {b: t for b, t in books(text).items() if b != HELD_OUT}
+    train_books = {b: t for b, t in books().items() if b != HELD_OUT}
     docs, chats = [], []
     for book_text in train_books.values():
         for chapter in chapters_of(book_text):
@@ -135,7 +126,7 @@ def training_text(name: str) -> tuple[list[list[int]], list[list[int]]]:
 def held_out_ids(name: str) -> list[int]:
     """The held-out book as token ids."""
     tok = load_tokenizer(name)
-    return tok.encode(books(CORPUS.read_text(encoding="utf-8"))[HELD_OUT])
+    return tok.encode(books()[HELD_OUT])
 
 
 # --- the model -------------------------------------------------------------------------------
@@ -382,18 +373,10 @@ def mtp_acceptance(
     agree = (guess.argmax(-1)[0] == main[1:]).float().mean().item()
     out = {"text": f"{HELD_OUT} (held out), {prompts} prompts of 16 tokens, {new} new tokens"}
     out["agreement_on_the_text"] = round(agree, 3)
-    for k in sorted({1, draft_tokens}):
-        proposed = accepted = 0
-        for i in range(prompts):
-            start = i * (len(ids) - 16) // prompts
-            draft = make_draft("mtp", model)
-            s = Sampling(temperature=0)
-            seen = torch.zeros(model.config.vocab_size, dtype=torch.bool)
-            with torch.inference_mode():
-                list(speculative_decode(model, draft, ids[start : start + 16], new, k, s, None,
-                                        (), seen, seen.clone()))  # fmt: skip
-            proposed, accepted = proposed + draft.proposed, accepted + draft.accepted
-        out[f"acceptance_k{k}"] = round(accepted / proposed, 3)
+    shares = kept_shares(
+        model, model.mtp, load_tokenizer(name), sorted({1, draft_tokens}), prompts, new
+    )
+    out.update({f"acceptance_k{k}": round(share, 3) for k, share in shares.items()})
     return out
 
 

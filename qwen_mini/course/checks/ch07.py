@@ -1,6 +1,6 @@
 """Checks for chapter 7 (decoding fast: the bytes a decode step reads, the greedy acceptance of
 speculative decoding, the rejection rule for sampling, one draft-and-verify round with its cache
-rollback).
+rollback, the MTP head's step).
 
 Expected values come from hand-worked examples, from naive loops written here (a tensor-by-tensor
 count that skips repeated storage, greedy decoding recomputed from scratch without a cache) and,
@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from qwen_mini import acceptance
-from qwen_mini.architectures import config_from_dict
+from qwen_mini import acceptance, mtp
+from qwen_mini.architectures import ARCHITECTURES, config_from_dict
 from qwen_mini.course.checking import between, case, mistake, register, seeded
 from qwen_mini.course.lab import ch07 as lab
 from qwen_mini.model import CausalLM
+from qwen_mini.rope_scaling import rotary_cos_sin
 
 register(
     "ch07.bytes_per_step",
@@ -41,6 +42,12 @@ register(
     reference=lab.verify,
     points=2,
     title="One draft-and-verify round, the rejected drafts taken out of the cache",
+)
+register(
+    "ch07.MTP",
+    reference=mtp.MTP,
+    points=2,
+    title="The MTP step: two input norms, fc of [embedding; hidden], the layers at i + 1, the norm",
 )
 
 
@@ -515,3 +522,186 @@ def verify_drafts_only(model, cache, token, drafts):
     n, following = acceptance.greedy_accept(drafts[1:], targets)
     cache.truncate(start + n + 1)
     return n, following
+
+
+# --- MTP -----------------------------------------------------------------------------------------
+
+MTP_ID = "ch07.MTP"
+
+
+def _mtp_config(model_type="qwen3_5_text", layers=1, **moe):
+    """A tiny config of an MTP-carrying family: gated attention with partial rotary (a quarter of
+    each head), `layers` MTP layers; `moe`: Qwen3-Next's experts for every layer."""
+    return config_from_dict(
+        dict(
+            model_type=model_type, vocab_size=64, hidden_size=32, intermediate_size=48,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            partial_rotary_factor=0.5, layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+            linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=128,
+            rope_theta=10000.0, mtp_num_hidden_layers=layers, **moe,
+        )
+    )  # fmt: skip
+
+
+def _mtp_reference(cfg, seed):
+    """The package's MTP with every weight drawn (norms near 1 but each its own, so that two
+    norms swapped give other numbers)."""
+    head = mtp.MTP(cfg, ARCHITECTURES[cfg.model_type])
+    g = seeded(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if "norm" in name else 0.2))
+    return head.eval()
+
+
+def _mtp_inputs(cfg, B, T, pieces, dtype=torch.float32):
+    def inputs(g):
+        embeds = torch.randn(B, T, cfg.hidden_size, generator=g).to(dtype)
+        hidden = torch.randn(B, T, cfg.hidden_size, generator=g).to(dtype)
+        return cfg, embeds, hidden, tuple(pieces)
+
+    return inputs
+
+
+def _mtp_run(MTP, cfg, embeds, hidden, pieces, seed=0):
+    """The learner's MTP (the reference's weights) with no cache, then fed in `pieces` through
+    the reference's cache: the outputs and the cache's length after each piece."""
+    reference = _mtp_reference(cfg, seed)
+    mine = MTP(cfg, ARCHITECTURES[cfg.model_type]).eval()
+    mine.load_state_dict(reference.state_dict())
+    mine.to(embeds.dtype)
+    out = {}
+    with torch.no_grad():
+        out["output, no cache"] = mine(embeds, hidden)
+        cache = reference.to(embeds.dtype).new_cache(embeds.shape[0])
+        outs, lengths, start = [], [], 0
+        for n in pieces:
+            outs.append(mine(embeds[:, start : start + n], hidden[:, start : start + n], cache))
+            lengths.append(cache.length)
+            start += n
+    out[f"fed in pieces {list(pieces)} through a cache: outputs"] = torch.cat(outs, 1)
+    out["cache length after each piece (committed)"] = lengths
+    return out
+
+
+def _mtp_written_out(cfg, embeds, hidden, pieces, seed=0):
+    """The step written out from the description with the reference's parts: positions 1 .. T,
+    no cache (a cache must give what recomputing everything gives)."""
+    m = _mtp_reference(cfg, seed).to(embeds.dtype)
+    T = embeds.shape[1]
+    with torch.no_grad():
+        x = m.fc(torch.cat([m.pre_fc_norm_embedding(embeds), m.pre_fc_norm_hidden(hidden)], -1))
+        cos, sin = rotary_cos_sin(cfg, torch.arange(1, T + 1), x.dtype)
+        for layer in m.layers:
+            x = layer(x, cos, sin, None)
+        y = m.norm(x)
+    return {
+        "output, no cache": y,
+        f"fed in pieces {list(pieces)} through a cache: outputs": y,
+        "cache length after each piece (committed)": torch.tensor(pieces).cumsum(0).tolist(),
+    }
+
+
+for _name, _cfg, _shape, _kw in [
+    ("one MTP layer; 2 sequences, fed 3, 1, 2", _mtp_config(), (2, 6, (3, 1, 2)), {}),
+    ("two MTP layers; fed 2, 1, 1, 3", _mtp_config(layers=2), (1, 7, (2, 1, 1, 3)), {}),
+    (
+        "bfloat16: fed 4 then 1, 1",
+        _mtp_config(),
+        (1, 6, (4, 1, 1)),
+        dict(dtype=torch.bfloat16, atol=3e-2, rtol=3e-2),
+    ),
+]:
+    _dtype = _kw.pop("dtype", torch.float32)
+    case(
+        MTP_ID,
+        _name,
+        _mtp_inputs(_cfg, *_shape, dtype=_dtype),
+        _mtp_run,
+        _mtp_written_out,
+        **{"atol": 1e-5, "rtol": 1e-4, **_kw},
+    )
+
+
+def _mtp_moe_inputs(g):
+    cfg = _mtp_config(
+        "qwen3_next", layers=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, decoder_sparse_step=1, norm_topk_prob=True,
+    )  # fmt: skip
+    T = between(g, 5, 8)
+    return _mtp_inputs(cfg, 2, T, (T - 3, 1, 2))(g)
+
+
+case(
+    MTP_ID,
+    "Qwen3-Next: the MTP layer with experts",
+    _mtp_moe_inputs,
+    _mtp_run,
+    _mtp_written_out,
+    atol=1e-5,
+    rtol=1e-4,
+    hidden=True,
+)
+
+
+def _mtp_variant(hidden_first=False, swap_norms=False, no_out_norm=False, no_commit=False,
+                 no_in_norms=False, restart_positions=False):  # fmt: skip
+    class Variant(mtp.MTP):
+        def forward(self, embeds, hidden, cache=None):
+            start = cache.length if cache is not None and not restart_positions else 0
+            e, h = embeds, hidden
+            if not no_in_norms:
+                e, h = self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)
+            if swap_norms:
+                e, h = self.pre_fc_norm_hidden(embeds), self.pre_fc_norm_embedding(hidden)
+            x = self.fc(torch.cat([h, e] if hidden_first else [e, h], dim=-1))
+            positions = torch.arange(start + 1, start + 1 + x.shape[1])
+            cos, sin = rotary_cos_sin(self.config, positions, x.dtype)
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, cache.layers[i] if cache is not None else None)
+            if cache is not None and not no_commit:
+                cache.commit(x.shape[1])
+            return x if no_out_norm else self.norm(x)
+
+    return Variant
+
+
+for _name, _flags, _idea in (
+    (
+        "mtp_hidden_first",
+        dict(hidden_first=True),
+        "fc reads [embedding; hidden state], embedding first: its weight's first H columns were "
+        "trained on the embedding",
+    ),
+    (
+        "mtp_norms_swapped",
+        dict(swap_norms=True),
+        "pre_fc_norm_embedding norms the embedding and pre_fc_norm_hidden the hidden state, "
+        "each with its own weight",
+    ),
+    (
+        "mtp_no_input_norms",
+        dict(no_in_norms=True),
+        "both inputs are normed before fc (pre_fc_norm_embedding, pre_fc_norm_hidden)",
+    ),
+    (
+        "mtp_no_output_norm",
+        dict(no_out_norm=True),
+        "the output goes through mtp.norm: the shared head reads normed states, as it does "
+        "after the model's final norm",
+    ),
+    (
+        "mtp_no_commit",
+        dict(no_commit=True),
+        "with a cache, commit the T new steps (cache.commit(T)) once every layer has run: "
+        "the layers only stage them",
+    ),
+    (
+        "mtp_positions_restart",
+        dict(restart_positions=True),
+        "with a cache, positions continue after the cached steps (start = cache.length): "
+        "restarting at 1 for every piece breaks attention to the cached keys",
+    ),
+):
+    mistake(MTP_ID, _idea, name=_name)(_mtp_variant(**_flags))
