@@ -646,7 +646,7 @@ case(
 
 
 def _mtp_variant(hidden_first=False, swap_norms=False, no_out_norm=False, no_commit=False,
-                 no_in_norms=False, restart_positions=False):  # fmt: skip
+                 no_in_norms=False, restart_positions=False, first_layer_only=False):  # fmt: skip
     class Variant(mtp.MTP):
         def forward(self, embeds, hidden, cache=None):
             start = cache.length if cache is not None and not restart_positions else 0
@@ -658,7 +658,7 @@ def _mtp_variant(hidden_first=False, swap_norms=False, no_out_norm=False, no_com
             x = self.fc(torch.cat([h, e] if hidden_first else [e, h], dim=-1))
             positions = torch.arange(start + 1, start + 1 + x.shape[1])
             cos, sin = rotary_cos_sin(self.config, positions, x.dtype)
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(self.layers[:1] if first_layer_only else self.layers):
                 x = layer(x, cos, sin, cache.layers[i] if cache is not None else None)
             if cache is not None and not no_commit:
                 cache.commit(x.shape[1])
@@ -696,6 +696,11 @@ for _name, _flags, _idea in (
         dict(no_commit=True),
         "with a cache, commit the T new steps (cache.commit(T)) once every layer has run: "
         "the layers only stage them",
+    ),
+    (
+        "mtp_first_layer_only",
+        dict(first_layer_only=True),
+        "every MTP layer runs, in order (mtp_num_hidden_layers may be more than 1)",
     ),
     (
         "mtp_positions_restart",
