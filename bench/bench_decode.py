@@ -96,6 +96,9 @@ def main(argv=None) -> int:
     def ours_compiled():
         return list(generate_tokens(ours, prompt, compile=True, **greedy))
 
+    def ours_autotuned():
+        return list(generate_tokens(ours, prompt, compile="max-autotune", **greedy))
+
     def ours_speculative():
         d = make_draft(draft, ours)
         s = Sampling(temperature=0)
@@ -116,6 +119,7 @@ def main(argv=None) -> int:
         "transformers generate (static cache)": lambda: hf_generate(cache_implementation="static"),
         "qwen_mini eager": ours_eager,
         "qwen_mini compile=True": ours_compiled,
+        'qwen_mini compile="max-autotune"': ours_autotuned,
         f"qwen_mini speculative ({args.draft_layers}-layer draft, k={args.draft_tokens})": (
             ours_speculative
         ),

@@ -31,16 +31,16 @@ STATIC_MIN_LENGTH = 1024
 
 
 class FastChatSession(ChatSession):
-    """ChatSession with generate's `compile=True`, or `draft="mtp"` / a draft model and
-    `draft_tokens`, refused as generate refuses them. `turns` also records, with a draft, the
-    drafts proposed and accepted in each turn."""
+    """ChatSession with generate's `compile=True` (or "max-autotune"), or `draft="mtp"` / a
+    draft model and `draft_tokens`, refused as generate refuses them. `turns` also records,
+    with a draft, the drafts proposed and accepted in each turn."""
 
     def __init__(
         self,
         model,
         tokenizer,
         *,
-        compile: bool = False,
+        compile: bool | str = False,
         draft=None,
         draft_tokens: int = DEFAULT_DRAFT_TOKENS,
         **options,
@@ -62,8 +62,9 @@ class FastChatSession(ChatSession):
                 return token
 
             needed = len(context) + room
-            compiled_step(model, max(STATIC_MIN_LENGTH, 1 << (needed - 1).bit_length()))
-            return static_decode(model, context, room, choose, stop)
+            length = max(STATIC_MIN_LENGTH, 1 << (needed - 1).bit_length())
+            compiled_step(model, length, self.compile)
+            return static_decode(model, context, room, choose, stop, self.compile)
         from .speculative import make_draft, speculative_decode
 
         self.drafter = make_draft(self.draft, model)

@@ -99,7 +99,7 @@ def generate_tokens(
     eos_token_ids: int | Iterable[int] | None = None,
     draft=None,
     draft_tokens: int = DEFAULT_DRAFT_TOKENS,
-    compile: bool = False,
+    compile: bool | str = False,
     **settings,
 ) -> Iterator[int]:
     """Yield new token ids one at a time, continuing `prompt_ids`.
@@ -118,7 +118,10 @@ def generate_tokens(
     `draft_tokens` tokens that the model checks in one pass. Greedy output is the same token
     for token; sampled output follows the same distribution (not the same draws for a seed).
     compile: decode with a preallocated cache and a fixed-shape step compiled by torch.compile
-    (qwen_mini.static_decode; the first call compiles, which takes a while). Same tokens.
+    (qwen_mini.static_decode; the first call compiles, which takes a while). True gives the same
+    tokens. "max-autotune" also tunes a kernel for every projection and keeps a repacked copy of
+    the weights: faster, the same model, but summed in another order, so in bfloat16 a token can
+    differ where two logits tie within rounding.
 
     Raises ValueError at the call, before any work, when prompt + max_new_tokens do not fit the
     context: max_new_tokens is a request the learner made, so it is refused, not silently
@@ -152,13 +155,16 @@ def generate_tokens(
     return _decode(model, prompt_ids, max_new_tokens, sampling, generator, stop, compile)
 
 
+COMPILE_MODES = (False, True, "max-autotune")
+
+
 def check_fast_options(model, draft, draft_tokens, compile):
     """Refuse, before any work, what `compile`, `draft` and `draft_tokens` cannot do with
     `model`; return the draft object (qwen_mini.speculative) for `draft`, or None."""
-    if compile not in (True, False):
-        raise ValueError(f"compile must be True or False, got {compile!r}.")
+    if compile not in COMPILE_MODES:
+        raise ValueError(f'compile must be False, True or "max-autotune", got {compile!r}.')
     if compile and draft is not None:
-        raise ValueError("compile=True and draft= cannot be combined yet; choose one.")
+        raise ValueError("compile= and draft= cannot be combined yet; choose one.")
     if compile:
         from .static_decode import check_static
 
@@ -191,7 +197,7 @@ def _decode(
     if compile:
         from .static_decode import static_decode
 
-        yield from static_decode(model, prompt_ids, max_new_tokens, choose, stop)
+        yield from static_decode(model, prompt_ids, max_new_tokens, choose, stop, compile)
     else:
         yield from decode(model, prompt_ids, max_new_tokens, choose, stop)
 
@@ -238,7 +244,7 @@ def generate(
     eos_token_ids: int | Iterable[int] | None = None,
     draft=None,
     draft_tokens: int = DEFAULT_DRAFT_TOKENS,
-    compile: bool = False,
+    compile: bool | str = False,
     **settings,
 ):
     """Continue `prompt` and return the new text (without the prompt and the end token).

@@ -22,7 +22,9 @@ def linear_all_threads(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torc
     call already uses every core, it is 5-12 % slower (bench/README.md). bfloat16 already uses
     every thread.
     """
-    n = torch.get_num_threads()
+    if torch.compiler.is_compiling():  # a compiled graph picks its own kernels
+        return F.linear(x, weight, bias)
+    n = torch.get_num_threads()  # (and this call would break the graph)
     worth_it = x.device.type == "cpu" and x.dtype == torch.float32 and n > 1
     if not worth_it or weight.shape[0] % n or not weight.is_contiguous():
         return F.linear(x, weight, bias)

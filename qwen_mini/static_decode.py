@@ -6,9 +6,10 @@ token in, at a position held in a tensor; each attention layer's keys and values
 of the full length (`StaticKVCache`, written in place at that position, read whole with a mask
 of the positions written so far); each Gated DeltaNet state is copied into its buffer in place.
 torch.compile then traces one graph for every step (on CUDA with CUDA graphs: mode
-"reduce-overhead", the whole step replayed as one launch). Nothing inside a step waits for the
-device (the eager pass checks its input ids and finiteness there); between steps the chosen
-token is read once, to yield it and to test for a stop id.
+"reduce-overhead", the whole step replayed as one launch). `compile="max-autotune"` also freezes
+the weights into the graph and tunes a kernel for each projection (`CPU_SETTINGS` below).
+Nothing inside a step waits for the device (the eager pass checks its input ids and finiteness
+there); between steps the chosen token is read once, to yield it and to test for a stop id.
 
 The prompt runs through the eager model and its cache is copied into the buffers. Rows whose
 pass is not `model_forward` (Qwen3.8's residual streams) or whose attention keeps more than
@@ -140,29 +141,77 @@ def static_attention(model):
             del m.attend
 
 
-def compiled_step(model, max_len: int) -> StaticDecoder:
+# The inductor settings of each `compile=` value on the CPU. True keeps the eager pass's
+# rounding: inductor fuses the small operations between projections, and would otherwise round
+# their bfloat16 results once at the end instead of after each one, so a token could change where
+# two logits tie within rounding. "max-autotune" freezes the weights into the graph, repacks them
+# once and times C++ kernels for every projection: on two CPU cores it decodes about twice as fast
+# (bench/README.md), but its sums run in another order (in bfloat16 a near-tie can go the other
+# way) and the repacked weights are a second copy in memory.
+CPU_SETTINGS = {
+    True: {"emulate_precision_casts": True},
+    "max-autotune": {
+        "freezing": True,
+        "max_autotune": True,
+        "max_autotune_gemm_backends": "CPP,ATEN",
+    },
+}
+
+
+class TunedStaticDecoder(StaticDecoder):
+    """The same step, for compile="max-autotune". A class of its own because torch.compile keeps
+    what it compiled per function and may reuse it for another decoder of the same shapes: one
+    forward per mode, or a step of one mode could run the other's compiled code."""
+
+    def forward(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return super().forward(token, pos)
+
+
+def weights_version(model) -> tuple:
+    """Which weights the model holds now: a frozen graph keeps the values it was compiled with."""
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+
+
+def compiled_step(model, max_len: int, mode=True) -> StaticDecoder:
     """The model's StaticDecoder for `max_len` positions, its forward compiled (kept on the
-    model and reused while max_len fits: compiling takes seconds to minutes)."""
-    kept = getattr(model, "_static_decoder", None)
-    if kept is not None and kept.max_len >= max_len:
-        return kept
-    decoder = StaticDecoder(model, max_len)
-    cuda = next(model.parameters()).device.type == "cuda"
-    decoder.step = torch.compile(
-        decoder.forward, mode="reduce-overhead" if cuda else None, dynamic=False
-    )
-    # kept out of the model's modules: a submodule would join its state_dict (and hold the model)
-    model.__dict__["_static_decoder"] = decoder
+    model and reused while max_len fits and the weights are the same: compiling takes seconds
+    to minutes). `mode`: generate's `compile=` value, True or "max-autotune"."""
+    # one per mode: alternating modes must not recompile (nor spend torch's recompile limit)
+    kept = model.__dict__.setdefault("_static_decoders", {})
+    version = weights_version(model)
+    decoder = kept.get(mode)
+    if decoder is not None and decoder.version == version and decoder.max_len >= max_len:
+        return decoder
+    decoder = (StaticDecoder if mode is True else TunedStaticDecoder)(model, max_len)
+    decoder.version = version
+    # the module itself, not its forward: inductor freezes only a compiled module's weights
+    if next(model.parameters()).device.type == "cuda":  # CUDA graphs: a step is one launch
+        cuda_mode = "reduce-overhead" if mode is True else "max-autotune"
+        compiled = torch.compile(decoder, mode=cuda_mode, dynamic=False)
+        settings = {"emulate_precision_casts": mode is True}
+    else:
+        compiled = torch.compile(decoder, dynamic=False)
+        settings = CPU_SETTINGS[mode]
+
+    def step(token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        # set around each call, not given as torch.compile(options=...): inductor reads
+        # `freezing` outside those options (torch 2.13), and a recompile must see them too
+        with torch._inductor.config.patch(settings):
+            return compiled(token, pos)
+
+    decoder.step = step
+    # kept in the model's __dict__, out of its modules: a submodule would join its state_dict
+    kept[mode] = decoder
     return decoder
 
 
 def static_decode(
-    model, prompt_ids: list[int], max_new_tokens: int, choose: Callable, stop=()
+    model, prompt_ids: list[int], max_new_tokens: int, choose: Callable, stop=(), mode=True
 ) -> Iterator[int]:
     """`decode` (qwen_mini.decoding) with the prompt eager and every later step compiled."""
     device = next(model.parameters()).device
     n = len(prompt_ids)
-    decoder = compiled_step(model, n + max_new_tokens)
+    decoder = compiled_step(model, n + max_new_tokens, mode)
     cache = model.new_cache(1)
     logits = model(torch.tensor([prompt_ids], device=device), cache=cache, last_only=True)[0, -1]
     decoder.load(cache)

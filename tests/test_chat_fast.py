@@ -76,7 +76,7 @@ def test_bad_options_are_refused_as_generate_refuses_them():
         (dict(draft="mtp"), "no multi-token-prediction head"),
         (dict(draft="mtp", compile=True), "cannot be combined"),
         (dict(draft=model, draft_tokens=0), "draft_tokens must be a whole number >= 1"),
-        (dict(compile="yes"), "compile must be True or False"),
+        (dict(compile="yes"), 'compile must be False, True or "max-autotune"'),
         (dict(draft="ngram"), "draft must be 'mtp' or a loaded model"),
         (dict(draft=load_standin(QWEN3_5)), "another tokenizer"),
     ]

@@ -3,6 +3,7 @@ tokens. torch.compile on the CPU compiles C++ for each model: a minute or more e
 
 import helpers
 import pytest
+import torch
 
 from qwen_mini.generation import generate_tokens
 
@@ -10,21 +11,44 @@ PROMPT = [1, 5, 9, 3, 7, 2, 11]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])  # dense, hybrid
-def test_compiled_greedy_equals_eager_greedy(model_type):
-    model = helpers.tiny_model(model_type, seed=0, std=0.5)
+@pytest.mark.parametrize(
+    "model_type, dtype, mode",
+    [
+        ("qwen3", torch.float32, True),  # dense
+        ("qwen3_5_text", torch.float32, True),  # hybrid
+        ("qwen3_moe", torch.bfloat16, True),  # MoE, in the dtype checkpoints ship in
+        ("qwen3", torch.float32, "max-autotune"),
+    ],
+)
+def test_compiled_greedy_equals_eager_greedy(model_type, dtype, mode):
+    model = helpers.tiny_model(model_type, seed=0, std=0.5).to(dtype)
     kw = dict(max_new_tokens=12, temperature=0, eos_token_ids=[])
     eager = list(generate_tokens(model, PROMPT, **kw))
-    assert list(generate_tokens(model, PROMPT, compile=True, **kw)) == eager
-    assert list(generate_tokens(model, PROMPT[:3], compile=True, **kw)) == list(
+    assert list(generate_tokens(model, PROMPT, compile=mode, **kw)) == eager
+    assert list(generate_tokens(model, PROMPT[:3], compile=mode, **kw)) == list(
         generate_tokens(model, PROMPT[:3], **kw)
     )  # again, a new prompt: the compiled step is reused, its buffers reloaded
+
+
+@pytest.mark.slow
+def test_a_frozen_step_follows_weights_changed_after_it_was_compiled():
+    # bfloat16: "max-autotune" repacks these weights into copies, which would go stale
+    model = helpers.tiny_model("qwen3", seed=0, std=0.5).to(torch.bfloat16)
+    kw = dict(max_new_tokens=6, temperature=0, eos_token_ids=[], compile="max-autotune")
+    before = list(generate_tokens(model, PROMPT, **kw))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1)  # in place: the least likely token wins now
+    after = list(generate_tokens(model, PROMPT, **kw))
+    assert after[0] != before[0]
+    assert after == list(generate_tokens(model, PROMPT, **{**kw, "compile": False}))
 
 
 def test_compile_refuses_what_it_cannot_run():
     model = helpers.tiny_model("qwen4_exp_text")
     with pytest.raises(ValueError, match="no fixed-shape decode step"):
         generate_tokens(model, PROMPT, max_new_tokens=4, compile=True)
+    with pytest.raises(ValueError, match='compile must be False, True or "max-autotune"'):
+        generate_tokens(helpers.tiny_model("qwen3"), PROMPT, max_new_tokens=4, compile="fast")
     with pytest.raises(ValueError, match="cannot be combined"):
         generate_tokens(
             helpers.tiny_model("qwen3"), PROMPT, max_new_tokens=4, compile=True, draft="mtp"
