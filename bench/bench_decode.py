@@ -1,6 +1,6 @@
 """Decode speed on this machine, in one process: transformers' generate (default cache, static
-cache) against qwen_mini eager, compiled (compile=True) and speculative decoding; then the
-Qwen3.5 stand-in drafting with its own trained MTP head.
+cache) against qwen_mini eager, compiled (compile=True and "max-autotune") and speculative
+decoding; then the Qwen3.5 stand-in drafting with its own trained MTP head.
 
     python bench/bench_decode.py                  # Qwen3-0.6B's width, 4 layers, bfloat16
     python bench/bench_decode.py --layers 28      # the real depth (slow on a small CPU)
@@ -11,11 +11,12 @@ written once with transformers and loaded by both libraries, so both run the sam
 speculative draft is the model's own first layers (a layer-skip draft, with the model's head):
 random weights make any draft's acceptance a property of these weights only, so the acceptance
 printed is this run's, not a real model's. Greedy decoding throughout; each timing is the
-median of --repeats runs, taken alternately. The decode limit is (bytes of weights a token
-reads, the tied head once) / (the bandwidth sum() streams here); each path's share of it is
-printed. The MTP part uses the embedded Qwen3.5 stand-in, whose MTP head was trained on its
-frozen main model (assets/standins/qwen3.5-0.8b.json): its acceptance is a tiny model's on a
-held-out book's sentences, not the real 0.8B's. See bench/README.md.
+median of --repeats runs, taken alternately, from the first new token to the last. The decode
+limit is (bytes of weights a token reads, the tied head once) / (the bandwidth sum() streams
+here); each path's share of it is printed. The MTP part uses the embedded Qwen3.5 stand-in,
+whose MTP head was trained on its frozen main model (assets/standins/qwen3.5-0.8b.json): its
+acceptance is a tiny model's on a held-out book's sentences, not the real 0.8B's. See
+bench/README.md.
 """
 
 from __future__ import annotations
@@ -46,10 +47,30 @@ MTP_PROMPTS = [
 ]
 
 
+FIRST = []  # when the run being timed produced its first new token
+
+
 def timed(fn) -> float:
+    """Seconds from fn's first new token to its last: the decoding alone, not the prompt."""
+    FIRST.clear()
+    fn()
+    return time.perf_counter() - FIRST[0]
+
+
+def wall(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def drain(tokens) -> list[int]:
+    """A generator's tokens, the first one's time noted in FIRST."""
+    out = []
+    for token in tokens:
+        if not out:
+            FIRST.append(time.perf_counter())
+        out.append(token)
+    return out
 
 
 def main(argv=None) -> int:
@@ -65,6 +86,7 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers.generation.streamers import BaseStreamer
 
     from qwen_mini import CausalLM, load_model
     from qwen_mini.generation import generate_tokens
@@ -91,27 +113,37 @@ def main(argv=None) -> int:
     stats = {}
 
     def ours_eager():
-        return list(generate_tokens(ours, prompt, **greedy))
+        return drain(generate_tokens(ours, prompt, **greedy))
 
     def ours_compiled():
-        return list(generate_tokens(ours, prompt, compile=True, **greedy))
+        return drain(generate_tokens(ours, prompt, compile=True, **greedy))
 
     def ours_autotuned():
-        return list(generate_tokens(ours, prompt, compile="max-autotune", **greedy))
+        return drain(generate_tokens(ours, prompt, compile="max-autotune", **greedy))
 
     def ours_speculative():
         d = make_draft(draft, ours)
         s = Sampling(temperature=0)
         seen = torch.zeros(ours.config.vocab_size, dtype=torch.bool)
         with torch.inference_mode():
-            out = list(speculative_decode(ours, d, prompt, n, args.draft_tokens, s, None, (),
-                                          seen, seen.clone()))  # fmt: skip
+            out = drain(speculative_decode(ours, d, prompt, n, args.draft_tokens, s, None, (),
+                                           seen, seen.clone()))  # fmt: skip
         stats["acceptance"] = d.accepted / max(d.proposed, 1)
         return out
 
+    class FirstToken(BaseStreamer):  # generate hands it the prompt, then each new token
+        def put(self, value):
+            self.calls = getattr(self, "calls", 0) + 1
+            if self.calls == 2:
+                FIRST.append(time.perf_counter())
+
+        def end(self):
+            pass
+
     def hf_generate(**kw):
         with torch.inference_mode():
-            out = hf.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, **kw)
+            out = hf.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                              streamer=FirstToken(), **kw)  # fmt: skip
         return out[0, args.prompt :].tolist()
 
     runs = {
@@ -125,10 +157,8 @@ def main(argv=None) -> int:
         ),
     }
     want = ours_eager()
-    for name, fn in runs.items():  # warm-up (compiles), and every path gives the same tokens
-        got = fn()
-        print(f"warm-up {name}: {'same tokens' if got == want else 'DIFFERENT tokens'}",
-              file=sys.stderr)  # fmt: skip
+    for name, fn in runs.items():  # warm-up (compiles), and does every path give the same tokens
+        print(f"warm-up {name}: {difference(ours, prompt, want, fn())}", file=sys.stderr)
     times = {name: [] for name in runs}
     for _ in range(args.repeats):
         for name, fn in runs.items():
@@ -141,17 +171,33 @@ def main(argv=None) -> int:
     limit = bandwidth / per_token
     print(f"{args.layers} layers of Qwen3-0.6B's width, {args.dtype}, prompt {args.prompt}, "
           f"{n} new tokens, {threads} threads, torch {torch.__version__}")  # fmt: skip
+    m = n - 1  # timed from the first new token to the last: the decoding alone
+    print(f"tokens/s over the {m} tokens after the first (the prompt's pass not counted)")
     print(f"decode limit: {per_token / 1e9:.2f} GB of weights per token at "
           f"{bandwidth / 1e9:.1f} GB/s = {limit:.1f} tokens/s")  # fmt: skip
     for name, ts in times.items():
         t, spread = statistics.median(ts), (min(ts), max(ts))
         print(
-            f"{name:55s} {n / t:8.1f} tokens/s ({n / spread[1]:.1f}-{n / spread[0]:.1f})  "
-            f"{base / t:5.2f}x transformers default  {n / t / limit:4.0%} of the limit"
+            f"{name:55s} {m / t:8.1f} tokens/s ({m / spread[1]:.1f}-{m / spread[0]:.1f})  "
+            f"{base / t:5.2f}x transformers default  {m / t / limit:4.0%} of the limit"
         )
     print(f"layer-skip draft acceptance: {stats['acceptance']:.0%} of drafts")
     mtp_standin(args.repeats, n)
     return 0
+
+
+def difference(model, prompt: list[int], want: list[int], got: list[int]) -> str:
+    """'same tokens', or where `got` leaves the eager tokens `want` and how close the eager
+    logits' top two were there: a gap of a rounding step or two means a near-tie that a
+    different order of summation may break the other way, not a different model."""
+    i = next((i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b), None)
+    if i is None:
+        return "same tokens"
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + want[:i]]), last_only=True)[0, -1].float()
+    top = logits.topk(2).values
+    gap = float(top[0] - top[1])
+    return f"DIFFERENT tokens from token {i}, where the eager top two logits are {gap:.4f} apart"
 
 
 def mtp_standin(repeats: int, n: int) -> None:
@@ -195,7 +241,7 @@ def mtp_standin(repeats: int, n: int) -> None:
     times = {label: [] for label in runs}
     for _ in range(repeats):
         for label, fn in runs.items():
-            times[label].append(timed(fn))
+            times[label].append(wall(fn))
     total = n * len(prompts)
     base = statistics.median(times["eager"])
     print(

@@ -118,10 +118,12 @@ def generate_tokens(
     `draft_tokens` tokens that the model checks in one pass. Greedy output is the same token
     for token; sampled output follows the same distribution (not the same draws for a seed).
     compile: decode with a preallocated cache and a fixed-shape step compiled by torch.compile
-    (qwen_mini.static_decode; the first call compiles, which takes a while). True gives the same
-    tokens. "max-autotune" also tunes a kernel for every projection and keeps a repacked copy of
-    the weights: faster, the same model, but summed in another order, so in bfloat16 a token can
-    differ where two logits tie within rounding.
+    (qwen_mini.static_decode; the first call compiles, which takes a while). True gives the
+    eager tokens (in bfloat16 it keeps the eager rounding of each operation, though a matrix
+    product may still round differently: a token can then differ where two logits tie within
+    rounding). "max-autotune" also tunes a kernel for every projection and keeps a repacked copy
+    of the weights: faster, the same model, but summed in another order, so such near-ties go
+    the other way more often.
 
     Raises ValueError at the call, before any work, when prompt + max_new_tokens do not fit the
     context: max_new_tokens is a request the learner made, so it is refused, not silently
