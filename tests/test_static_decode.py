@@ -14,10 +14,13 @@ PROMPT = [1, 5, 9, 3, 7, 2, 11]
 @pytest.mark.parametrize(
     "model_type, dtype, mode",
     [
-        ("qwen3", torch.float32, True),  # dense
+        ("qwen2", torch.float32, True),  # dense, QKV bias
+        ("qwen3", torch.float32, True),  # dense, QK-Norm
         ("qwen3_5_text", torch.float32, True),  # hybrid
         ("qwen3_moe", torch.bfloat16, True),  # MoE, in the dtype checkpoints ship in
+        ("qwen3_next", torch.float32, True),  # hybrid MoE, gated attention
         ("qwen3", torch.float32, "max-autotune"),
+        ("qwen3_5_text", torch.bfloat16, "max-autotune"),
     ],
 )
 def test_compiled_greedy_equals_eager_greedy(model_type, dtype, mode):
