@@ -6,11 +6,6 @@ import os
 import pytest
 import torch
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # `make test` runs two workers on a 2-core machine: each worker's torch on both cores too
-    # oversubscribes them (measured: tests of many small passes ran 2.2-4x slower)
-    torch.set_num_threads(1)
-
 
 @pytest.fixture
 def one_thread():
