@@ -308,9 +308,10 @@ def add_fast_options(parser) -> None:
         choices=["max-autotune"],
         metavar="max-autotune",
         help="decode with a preallocated cache and a step compiled by torch.compile (the first "
-        "run compiles: slow to start); the same tokens. --compile max-autotune: also a tuned "
-        "kernel per projection and a repacked copy of the weights, faster; in bfloat16 a token "
-        "can differ where two logits tie within rounding",
+        "run compiles: slow to start); the same tokens, except that in bfloat16 a token can "
+        "differ where two logits tie within rounding. --compile max-autotune: also a tuned "
+        "kernel per projection and a repacked copy of the weights: faster, such near-ties "
+        "more often broken the other way",
     )
     parser.add_argument(
         "--draft",

@@ -157,13 +157,10 @@ def generate_tokens(
     return _decode(model, prompt_ids, max_new_tokens, sampling, generator, stop, compile)
 
 
-COMPILE_MODES = (False, True, "max-autotune")
-
-
 def check_fast_options(model, draft, draft_tokens, compile):
     """Refuse, before any work, what `compile`, `draft` and `draft_tokens` cannot do with
     `model`; return the draft object (qwen_mini.speculative) for `draft`, or None."""
-    if compile not in COMPILE_MODES:
+    if not (compile is True or compile is False or compile == "max-autotune"):  # not 1 or 0
         raise ValueError(f'compile must be False, True or "max-autotune", got {compile!r}.')
     if compile and draft is not None:
         raise ValueError("compile= and draft= cannot be combined yet; choose one.")

@@ -52,6 +52,8 @@ def test_compile_refuses_what_it_cannot_run():
         generate_tokens(model, PROMPT, max_new_tokens=4, compile=True)
     with pytest.raises(ValueError, match='compile must be False, True or "max-autotune"'):
         generate_tokens(helpers.tiny_model("qwen3"), PROMPT, max_new_tokens=4, compile="fast")
+    with pytest.raises(ValueError, match="compile must be"):
+        generate_tokens(helpers.tiny_model("qwen3"), PROMPT, max_new_tokens=4, compile=1)
     with pytest.raises(ValueError, match="cannot be combined"):
         generate_tokens(
             helpers.tiny_model("qwen3"), PROMPT, max_new_tokens=4, compile=True, draft="mtp"
