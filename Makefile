@@ -35,7 +35,8 @@ ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 lab: $(VENV)/.course
 	$(BIN)/jupyter lab --notebook-dir=course $(ROOT_FLAG) $(LAB_ARGS)
 
-# Two test processes (pytest-xdist), one per core of the 2-core machines the course is tested on;
+# Two test processes (pytest-xdist), one per core of the 2-core machines the course is tested on,
+# each with one torch thread (tests/conftest.py; OMP_NUM_THREADS=1 for the notebooks' kernels);
 # a test file marked with an xdist_group (its module fixtures grade a corpus once) stays in one
 # of them, a notebook's cells in one kernel.
 # PARALLEL=-n0 runs everything in one process.
@@ -58,7 +59,7 @@ test: $(VENV)/.dev grading-deps
 	$(BIN)/python -m qwen_mini.course.build --check
 	$(BIN)/python -m pytest $(PARALLEL) --dist loadgroup --durations=15 tests
 	mkdir -p $(VENV)/empty-hf-cache
-	$(NB_ENV) QWEN_MINI_CHECKS=solutions $(BIN)/python -m pytest $(PARALLEL) --dist loadfile --nbval-lax solutions
+	$(NB_ENV) QWEN_MINI_CHECKS=solutions OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PARALLEL) --dist loadfile --nbval-lax solutions
 	$(NB_ENV) QWEN_MINI_CHECKS=course $(BIN)/python -m qwen_mini.course.site --run-only --course $(LEARNER_COPIES)
 
 # The grader runs every submission in a bubblewrap jail (README: "What is guaranteed"); its

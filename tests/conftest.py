@@ -6,6 +6,13 @@ import os
 import pytest
 import torch
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two workers on a 2-core machine: each worker's torch on both cores too
+    # oversubscribes them (measured: tests of many small passes ran 2.2-4x slower); the kernels
+    # and commands a test starts inherit one thread too
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture
 def one_thread():

@@ -1,10 +1,15 @@
 """The grader on the real chapters: solutions score full marks, fresh learner copies zero, a stub
 in one exercise does not cost the later exercises that build on it, and an exercise answered
-with the package's own code scores 0 with status `reference`."""
+with the package's own code scores 0 with status `reference`.
+
+Each graded notebook is a whole chapter's run in a jail, so one notebook carries two claims where
+it can: the fresh learner copy with one exercise answered by the package's code (a first cell
+looking for the checks) is both the blank notebook and the cheat."""
 
 import csv
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -34,14 +39,23 @@ def learner_copy(chapter: int) -> dict:
     return build.learner_copy(ROOT, CHAPTERS[chapter])
 
 
-def _mixed(folder: Path, chapter: int, stub_cell: str) -> Path:
-    """The solution notebook with one exercise cell taken from the learner copy (a stub)."""
+def checked_in(cell: dict) -> list[str]:
+    """The exercises a cell checks (`check("chNN.name", ...)`)."""
+    return re.findall(r'check\(\s*"(ch\d\d\.\w+)"', nbs.source(cell))
+
+
+def _partly_done(folder: Path, chapter: int, stubs: list) -> tuple[Path, set[str]]:
+    """A learner's notebook part of the way through: the solution up to the cell that checks
+    the last exercise building on a stub, each stub's exercise cell taken from the learner copy
+    (the rest of the chapter, not yet reached, is not there: it would only cost the run time)."""
     solved = nbs.load(ROOT / "solutions" / CHAPTERS[chapter])
     learner = {c["id"]: c for c in learner_copy(chapter)["cells"]}
-    solved["cells"] = [learner[c["id"]] if c["id"] == stub_cell else c for c in solved["cells"]]
-    path = folder / f"stub-{stub_cell}.ipynb"
-    path.write_text(json.dumps(solved))
-    return path
+    stub_cells = {cell for cell, _, _ in stubs}
+    cells = [learner[c["id"]] if c["id"] in stub_cells else c for c in solved["cells"]]
+    last = max(i for i, c in enumerate(cells) for _, _, later in stubs if later in checked_in(c))
+    path = folder / "partly-done.ipynb"
+    path.write_text(json.dumps(dict(solved, cells=cells[: last + 1])))
+    return path, {x for c in cells[: last + 1] for x in checked_in(c)}
 
 
 # a first cell that looks for the chapter's check module (its hidden cases and their generators),
@@ -143,7 +157,7 @@ def _report(folder: Path, notebook: Path) -> dict:
 
 
 # per chapter, the stubs to try: (cell taken from the learner copy, its exercise, a later exercise
-# that builds on it); each stub is its own notebook, all graded in one run
+# that builds on it); a chapter's stubs are in one notebook
 STUBS = {
     0: [("6a366c8d", "ch00.rotate_half", "ch00.apply_rope")],
     1: [
@@ -162,16 +176,12 @@ STUBS = {
 @pytest.mark.parametrize("chapter", sorted(CHAPTERS))
 def test_real_chapter_grades(tmp_path, chapter):
     name = CHAPTERS[chapter]
-    mixed = [_mixed(tmp_path, chapter, stub_cell) for stub_cell, _, _ in STUBS[chapter]]
+    partly, reached = _partly_done(tmp_path, chapter, STUBS[chapter])
     cell, cheated, source = CHEATS[chapter]
     cheat = _cheat(tmp_path, chapter, cell, source)
-    (tmp_path / "course").mkdir()
-    fresh = tmp_path / "course" / name  # the learner copy as committed, not a working copy
-    fresh.write_text(nbs.dumps(learner_copy(chapter)))
-    files = [ROOT / "solutions" / name, fresh, *mixed, cheat]
+    files = [ROOT / "solutions" / name, partly, cheat]
     rows = _grade(tmp_path, chapter, files)
-    stem = Path(name).stem
-    solved, learner = rows[f"solutions/{stem}"], rows[f"course/{stem}"]
+    solved = rows[f"solutions/{Path(name).stem}"]
     ids = [k for k in solved if k not in ("notebook", "total", "max_total") and " " not in k]
     assert len(ids) >= (4 if chapter == 7 else 6)  # chapter 7: four exercises
     full = sum(float(solved[x]) for x in ids)
@@ -180,15 +190,23 @@ def test_real_chapter_grades(tmp_path, chapter):
     # ... and it runs under the grader as in Jupyter: every cell, each exercise checked once
     report = _report(tmp_path / "reports", ROOT / "solutions" / name)
     assert report["warnings"] == [], report["warnings"]
-    assert all(float(learner[x]) == 0 for x in ids) and float(learner["total"]) == 0
-    for path, (_, stubbed, dependent) in zip(mixed, STUBS[chapter], strict=True):
-        partial = rows[f"{tmp_path.name}/{path.stem}"]
-        assert float(partial[stubbed]) == 0 and partial[f"{stubbed} status"] == "not attempted"
-        assert float(partial[dependent]) == float(solved[dependent]) > 0
-        assert float(partial["total"]) == full - float(solved[stubbed])
-    # a blank notebook answering an exercise with the package's own code earns nothing ...
-    cheated_row = rows[f"{tmp_path.name}/cheat"]
-    assert cheated_row[f"{cheated} status"] == "reference" and float(cheated_row["total"]) == 0
+    # a stub costs its own exercise only, not the later ones that build on it; exercises the
+    # notebook does not reach yet are missing
+    partial = rows[f"{tmp_path.name}/partly-done"]
+    stubbed = {x for _, x, _ in STUBS[chapter]}
+    assert {later for _, _, later in STUBS[chapter]} <= reached - stubbed
+    assert set(ids) - reached, "the partly done notebook should stop before the chapter's end"
+    for x in ids:
+        status = "not attempted" if x in stubbed else "passed" if x in reached else "missing"
+        assert partial[f"{x} status"] == status, (x, partial)
+        assert float(partial[x]) == (float(solved[x]) if status == "passed" else 0), x
+    assert float(partial["total"]) == sum(float(solved[x]) for x in reached - stubbed)
+    # the fresh learner copy earns nothing, not even with an exercise answered by the package's
+    # own code ...
+    blank = rows[f"{tmp_path.name}/cheat"]
+    assert blank[f"{cheated} status"] == "reference" and float(blank["total"]) == 0
+    assert all(float(blank[x]) == 0 for x in ids)
+    assert all(blank[f"{x} status"] == "not attempted" for x in ids if x != cheated), blank
     # ... and its first cell, which looks for the checks, finds nothing
     if ISOLATED:
         output = json.loads((tmp_path / "reports" / "cheat.json").read_text())["process_output"]
@@ -239,21 +257,16 @@ def test_model_level_cheats_score_zero(tmp_path):
     the learner's code) are caught as `reference`; changing the weights of the modules a check
     passed in (so that the grader's expected value would agree with a wrong layer) fails."""
     nb = learner_copy(1)
-    refs = dict(
-        nb,
-        cells=[
-            dict(c, source=MODEL_LEVEL_REFERENCES.get(c["id"], c["source"])) for c in nb["cells"]
-        ],
-    )
-    (tmp_path / "refs.ipynb").write_text(json.dumps(refs))
-    zero = dict(
-        nb,
-        cells=[
-            dict(c, source=ZEROES_THE_CHECKS_WEIGHTS) if c["id"] == "a8000004" else c
-            for c in nb["cells"]
-        ],
-    )
-    (tmp_path / "zero.ipynb").write_text(json.dumps(zero))
+    ids = [c["id"] for c in nb["cells"]]
+
+    def upto(last_id: str, cells: list) -> dict:  # the chapter up to that cell: the rest costs time
+        return dict(nb, cells=cells[: ids.index(last_id) + 1])
+
+    refs = [dict(c, source=MODEL_LEVEL_REFERENCES.get(c["id"], c["source"])) for c in nb["cells"]]
+    (tmp_path / "refs.ipynb").write_text(json.dumps(upto("a8000010", refs)))
+    zero = [dict(c, source=ZEROES_THE_CHECKS_WEIGHTS) if c["id"] == "a8000004" else c
+            for c in nb["cells"]]  # fmt: skip
+    (tmp_path / "zero.ipynb").write_text(json.dumps(upto("a8000004", zero)))
     rows = _grade(tmp_path, 1, [tmp_path / "refs.ipynb", tmp_path / "zero.ipynb"])
     refs_row, zero_row = rows[f"{tmp_path.name}/refs"], rows[f"{tmp_path.name}/zero"]
     for exercise in ("ch01.DecoderLayer", "ch01.model_forward", "ch01.load_weights", "ch01.decode"):
