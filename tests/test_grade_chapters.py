@@ -9,7 +9,6 @@ looking for the checks) is both the blank notebook and the cheat."""
 import csv
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -40,8 +39,7 @@ def learner_copy(chapter: int) -> dict:
 
 
 def checked_in(cell: dict) -> list[str]:
-    """The exercises a cell checks (`check("chNN.name", ...)`)."""
-    return re.findall(r'check\(\s*"(ch\d\d\.\w+)"', nbs.source(cell))
+    return nbs.check_ids(nbs.source(cell))
 
 
 def _partly_done(folder: Path, chapter: int, stubs: list) -> tuple[Path, set[str]]:
