@@ -25,7 +25,7 @@ STATUSES = (
     "not attempted",  # the exercise's code still raises NotImplementedError
     "timeout",  # a cell or the checks ran past the time limit or the notebook's budget
     "crashed",  # a cell raised or exited, the process died, ran out of memory, broke the channel
-    "tampered",  # the submission changed what the grader relies on, or left helpers running
+    "tampered",  # the submission changed what the grader relies on
     "reference",  # the exercise was answered by the package's own reference
     "missing",  # no check call and no object of the exercise's name
     "unreadable",  # the notebook could not be found or read

@@ -264,7 +264,7 @@ class Worker:
                 self.codec.snapshots.clear()
                 self.codec.sent.clear()
                 self.observations.clear()
-                return self.begin(m["ex"])
+                return self.begin(m["ex"], float(m["wait"]))
             if op == "end":
                 hit = self.monitor.stop()
                 return {"reference": hit, "tampered": changed(self.snap.names)}
@@ -302,12 +302,12 @@ class Worker:
                 return next(target)
         raise ProtocolError(f"unknown operation {op!r}")
 
-    def begin(self, exercise: str) -> dict:
+    def begin(self, exercise: str, wait: float) -> dict:
         if exercise not in self.snap.references:
             raise ProtocolError(f"unknown exercise {exercise!r}")
-        helpers = _helpers_alive()
+        stopped = _stop_leftovers(wait)
         self.monitor.start(exercise)
-        return {"tampered": changed(self.snap.names), "helpers": helpers}
+        return {"tampered": changed(self.snap.names), "stopped": stopped}
 
     # cells
 
@@ -324,6 +324,8 @@ class Worker:
         try:
             self.exec_source(text, f"<cell {index}>")
         except BaseException as e:
+            if os.getpid() != self.pid:  # a fork bomb's copy whose fork failed: gone at once
+                os._exit(0)
             result = {"ok": False, "kind": _kind(e), "error": _describe(e, f"<cell {index}>")}
         if os.getpid() != self.pid:  # a copy the cell forked ran on to here: see send()
             os._exit(0)
@@ -384,19 +386,30 @@ def _describe(e: BaseException, filename: str) -> str:
     return f"raised {exception_text(e)}{at}"
 
 
-def _helpers_alive(grace: float = 2.0) -> str:
-    """Threads or processes the submission started that still run (they would escape the
-    monitor while an exercise is checked): in the jail's pid namespace, any live process but
-    its first (bwrap's, which reaps orphans) and this one. Copies that are ending (a fork
-    bomb's, after its fork fails) get `grace` seconds to go."""
-    me, until = os.getpid(), time.monotonic() + grace
-    while True:
+def _stop_leftovers(wait: float) -> int:
+    """Stop every process the submission left running, before an exercise is checked: a helper
+    would compute out of the monitor's sight, and a fork bomb's copies, each ending as its fork
+    fails, let others take the places they free for as long as the CPU is busy. In the jail's
+    pid namespace that is every process but its first (bwrap's, our parent, which reaps
+    orphans) and this one; kill(-1) reaches them all at once, so none can fork past it. The
+    killed get up to `wait` seconds to be gone. Returns how many were running."""
+    if os.getppid() != 1:  # not in a jail of its own: kill(-1) would reach the user's processes
+        return 0
+    me, until = os.getpid(), time.monotonic() + wait
+
+    def running() -> list[str]:
         _reap()
-        others = [p for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me)]
-        alive = [p for p in others if _runs(p)]
-        if not alive or time.monotonic() > until:
-            return f"process {alive[0]}" if alive else ""
-        time.sleep(0.05)
+        ours = (p for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me))
+        return [p for p in ours if _state(p) not in ("", "Z", "X")]
+
+    found = running()
+    left = found
+    while left and time.monotonic() < until:
+        with contextlib.suppress(OSError):
+            os.kill(-1, signal.SIGKILL)
+        time.sleep(0.02)
+        left = running()
+    return len(found)
 
 
 def _reap() -> None:
@@ -410,12 +423,14 @@ def _reap() -> None:
             return
 
 
-def _runs(pid: str) -> bool:
+def _state(pid: str) -> str:
+    """The state letter of a process in /proc (R running, S asleep, D in the kernel, Z ended
+    and not yet collected...), "" where it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except OSError:
-        return False  # gone while we looked
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""  # gone while we looked
 
 
 def _settle(memory_mb: int) -> None:
