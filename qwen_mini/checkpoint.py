@@ -27,7 +27,7 @@ from safetensors import safe_open
 from torch import nn
 
 from .architectures import Architecture, architecture, config_from_file
-from .config import Config
+from .config import MTP_COUNT, Config, text_fields
 from .locate import INDEX_FILE, SINGLE_FILE
 from .model import CausalLM
 from .runtime import convert_for_runtime
@@ -137,6 +137,20 @@ def _dim_fields(cfg: Config) -> dict[int, list[str]]:
         if size:
             fields.setdefault(size, []).append(name)
     return fields
+
+
+def _mtp_head(cfg: Config, arch: Architecture, config_file: Path, stored: dict) -> Config:
+    """`cfg` with the MTP head the weights carry: none where config.json describes one they do
+    not (a checkpoint saved by transformers drops it: the model cannot draft with it), and as
+    many layers as they hold where config.json does not say (Qwen3-Next's release; vLLM then
+    reads 1). A count config.json gives, 0 included, stands."""
+    layers = {int(m[1]) for name in stored if (m := re.match(r"mtp\.layers\.(\d+)\.", name))}
+    if cfg.mtp_num_hidden_layers and not any(name.startswith("mtp.") for name in stored):
+        return replace(cfg, mtp_num_hidden_layers=0)
+    said = any(text_fields(_read_json(config_file)).get(k) is not None for k in MTP_COUNT)
+    if layers and not said and "mtp." in arch.ignored_prefixes:
+        return replace(cfg, mtp_num_hidden_layers=max(layers) + 1)
+    return cfg
 
 
 def _hint(name: str, cfg: Config, arch: Architecture) -> str:
@@ -688,10 +702,7 @@ def load_checkpoint(
         raise CheckpointError(str(e)) from None
     generation_config = _generation_config(folder / "generation_config.json")
     where, stored = _stored_tensors(folder, cfg)
-    if cfg.mtp_num_hidden_layers and not any(name.startswith("mtp.") for name in stored):
-        # config.json describes an MTP head the weights do not carry (a checkpoint saved by
-        # transformers drops it): the model is built without one, and cannot draft with it
-        cfg = replace(cfg, mtp_num_hidden_layers=0)
+    cfg = _mtp_head(cfg, arch or architecture(cfg.model_type, config_file), config_file, stored)
     check_size(cfg, stored, where, config_file, dtype)
     model = meta_model(cfg, arch)  # built once: what to expect, then what to fill
     files = sorted({path for path, _, _ in stored.values()})

@@ -169,8 +169,7 @@ class Config:
         out that differ by model type (the architecture row's `config_defaults`); reading a
         checkpoint's file goes through `qwen_mini.architectures.config_from_dict`, which passes
         them and checks the result against the row."""
-        # a multimodal checkpoint (Qwen3.5) keeps the text model's fields under text_config
-        t = {**d, **d["text_config"]} if isinstance(d.get("text_config"), dict) else d
+        t = text_fields(d)
         try:
             return cls._read(d, t, {**cls.defaults(), **(defaults or {})}, set(defaults or ()))
         except KeyError as e:
@@ -244,9 +243,19 @@ class Config:
             **{name: get(name) for name in QWEN4_FIELDS},
             ple_layer_ids=tuple(t.get("ple_layer_ids") or ()),
             output_gate_type=t.get("output_gate_type") or "",
-            # Qwen3-Next's config.json names it num_nextn_predict_layers (as DeepSeek-V3's)
-            mtp_num_hidden_layers=get("mtp_num_hidden_layers", "num_nextn_predict_layers"),
+            mtp_num_hidden_layers=get(*MTP_COUNT),
         )
+
+
+# the MTP head's layer count; Qwen3-Next's name for it is DeepSeek-V3's (its released config.json
+# has neither: the checkpoint's loader then counts the layers its weights carry)
+MTP_COUNT = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
+
+
+def text_fields(d: dict) -> dict:
+    """The text model's fields of config.json `d`: a multimodal checkpoint (Qwen3.5) keeps them
+    under text_config."""
+    return {**d, **d["text_config"]} if isinstance(d.get("text_config"), dict) else d
 
 
 # the fields of Qwen3.8-Flash-Next read as they are (checked in qwen_mini.validation)

@@ -116,3 +116,41 @@ def test_the_qwen3_5_standin_carries_an_mtp_head():
     H = model.config.hidden_size
     assert model.mtp.fc.weight.shape == (H, 2 * H)
     assert len(model.mtp.layers) == 1
+
+
+def _with_head(folder, config_edit) -> dict:
+    """The tiny checkpoint in `folder` with an MTP head added to its weights and its config.json
+    changed by `config_edit`; the head's tensors."""
+    stored = load_file(str(folder / "model.safetensors"))
+    head = mtp_tensors(stored, stored["model.embed_tokens.weight"].shape[1])
+    save_file({**stored, **head}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config_edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    return head
+
+
+def test_a_head_the_config_does_not_count_is_counted_from_the_weights(tmp_path):
+    # Qwen3-Next's released config.json names neither mtp_num_hidden_layers nor
+    # num_nextn_predict_layers, and its weights carry mtp.layers.0 (vLLM reads 1 by default)
+    write_checkpoint(tmp_path, "qwen3_next", tied=False)
+
+    def silent(config):
+        for key in ("mtp_num_hidden_layers", "num_nextn_predict_layers"):
+            config.pop(key, None)
+
+    head = _with_head(tmp_path, silent)
+    model = load_checkpoint(tmp_path)
+    assert model.config.mtp_num_hidden_layers == 1
+    state = model.state_dict()
+    for key, value in head.items():
+        if not key.startswith("mtp.layers."):
+            assert torch.equal(state[key], value), key
+    # its layer is the copy of layer 3 the head was made of (experts in the model's layout)
+    layer = {k for k in state if k.startswith("mtp.layers.0.")}
+    assert len(layer) > 10
+    for key in layer:
+        assert torch.equal(state[key], state[key.replace("mtp.layers.0.", "model.layers.3.")])
+    # where config.json says 0, the weights' head is left out, as it says
+    _with_head(tmp_path, lambda config: config.update(num_nextn_predict_layers=0))
+    assert getattr(load_checkpoint(tmp_path), "mtp", None) is None
