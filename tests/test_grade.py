@@ -271,6 +271,16 @@ def test_processes_left_running_are_stopped_before_a_check(graded):
     ), warning
 
 
+def test_a_thread_that_keeps_starting_processes_gets_none_beside_a_check(graded):
+    # the processes are stopped once the check has begun, when a thread's fork is refused: none
+    # is left, and the honest answers pass
+    _, rows, reports, _, _ = graded
+    name = "s4_forking_thread"
+    assert rows[name]["total"] == "5" and statuses(rows, name) == ["passed"] * 4
+    first = reports[name]["warnings"][0]
+    assert re.fullmatch(r"ch98.add_one: \d+ process\(es\) .* stopped before it was checked", first)
+
+
 def test_learner_code_cannot_write_into_the_repository(graded):
     _, rows, _, _, _ = graded
     assert not list(ROOT.rglob(f"pwned_{MARKER}.py"))  # the checkout is read-only in the jail

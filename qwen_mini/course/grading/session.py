@@ -289,6 +289,7 @@ class Session:
         if (
             type(begin) is not dict
             or type(begin.get("tampered")) is not str
+            or type(begin.get("helpers")) is not str
             or type(begin.get("stopped")) is not int
         ):
             raise BadMessage("a malformed answer to begin")
@@ -314,6 +315,11 @@ class Session:
             return "tampered", (
                 f"your code replaced `{tampered[:200]}`; an exercise must not change torch, the "
                 "builtins or qwen_mini"
+            )
+        if begin["helpers"]:
+            return "tampered", (
+                f"{begin['helpers'][:200]} started by your code was still running when "
+                f"{exercise} was checked, though it was stopped; stop your processes first"
             )
         return status, message
 

@@ -305,9 +305,9 @@ class Worker:
     def begin(self, exercise: str, wait: float) -> dict:
         if exercise not in self.snap.references:
             raise ProtocolError(f"unknown exercise {exercise!r}")
-        stopped = _stop_leftovers(wait)
-        self.monitor.start(exercise)
-        return {"tampered": changed(self.snap.names), "stopped": stopped}
+        self.monitor.start(exercise)  # from here on, no thread of the notebook starts a process
+        stopped, helpers = _stop_leftovers(wait)
+        return {"tampered": changed(self.snap.names), "stopped": stopped, "helpers": helpers}
 
     # cells
 
@@ -386,30 +386,31 @@ def _describe(e: BaseException, filename: str) -> str:
     return f"raised {exception_text(e)}{at}"
 
 
-def _stop_leftovers(wait: float) -> int:
+def _stop_leftovers(wait: float) -> tuple[int, str]:
     """Stop every process the submission left running, before an exercise is checked: a helper
     would compute out of the monitor's sight, and a fork bomb's copies, each ending as its fork
     fails, let others take the places they free for as long as the CPU is busy. In the jail's
     pid namespace that is every process but its first (bwrap's, our parent, which reaps
     orphans) and this one; kill(-1) reaches them all at once, so none can fork past it. The
-    killed get up to `wait` seconds to be gone. Returns how many were running."""
+    killed get up to `wait` seconds to be gone. Returns how many were running, and one still
+    running after that ("" if none: a process stuck in the kernel may not yet have seen its
+    signal)."""
     if os.getppid() != 1:  # not in a jail of its own: kill(-1) would reach the user's processes
-        return 0
+        return 0, ""
     me, until = os.getpid(), time.monotonic() + wait
 
-    def running() -> list[str]:
+    def running() -> list[str]:  # not yet ended, and not on their way out
         _reap()
         ours = (p for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me))
-        return [p for p in ours if _state(p) not in ("", "Z", "X")]
+        return [p for p in ours if _live(p)]
 
-    found = running()
-    left = found
+    found = left = running()
     while left and time.monotonic() < until:
         with contextlib.suppress(OSError):
             os.kill(-1, signal.SIGKILL)
         time.sleep(0.02)
         left = running()
-    return len(found)
+    return len(found), f"process {left[0]}" if left else ""
 
 
 def _reap() -> None:
@@ -423,14 +424,17 @@ def _reap() -> None:
             return
 
 
-def _state(pid: str) -> str:
-    """The state letter of a process in /proc (R running, S asleep, D in the kernel, Z ended
-    and not yet collected...), "" where it is gone."""
+PF_EXITING = 0x4  # a process's flag (in /proc/<pid>/stat) once it has begun to exit
+
+
+def _live(pid: str) -> bool:
+    """Whether a process runs and is not exiting (a killed one, tearing down its memory, is)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return ""  # gone while we looked
+            fields = f.read().rpartition(")")[2].split()  # state, ppid, ..., flags (6th)
+        return fields[0] not in ("Z", "X") and not int(fields[6]) & PF_EXITING
+    except (OSError, IndexError, ValueError):
+        return False  # gone while we looked
 
 
 def _settle(memory_mb: int) -> None:
