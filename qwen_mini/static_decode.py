@@ -18,6 +18,7 @@ keys and values (its sparse attention) are refused: they have no fixed-shape ste
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -158,13 +159,16 @@ CPU_SETTINGS = {
 }
 
 
-class TunedStaticDecoder(StaticDecoder):
-    """The same step, for compile="max-autotune". A class of its own because torch.compile keeps
-    what it compiled per function and may reuse it for another decoder of the same shapes: one
-    forward per mode, or a step of one mode could run the other's compiled code."""
-
-    def forward(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return super().forward(token, pos)
+def own_class(decoder_class: type) -> type:
+    """A subclass of `decoder_class` with a forward of its own: a copy of its code. torch.compile
+    keeps what it compiled per code object: one shared by every decoder of a process would take
+    a variant per model and per mode, may run one mode's graph for the other, and after 8
+    variants (torch._dynamo's recompile_limit) runs the step eagerly without a word. A decoder
+    compiling its own copy keeps its compiled step to itself, and frees it with itself."""
+    f = decoder_class.forward
+    code = f.__code__.replace()  # equal, not the same object
+    forward = types.FunctionType(code, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    return type(decoder_class.__name__, (decoder_class,), {"forward": forward})
 
 
 def weights_version(model) -> tuple:
@@ -176,13 +180,13 @@ def compiled_step(model, max_len: int, mode=True) -> StaticDecoder:
     """The model's StaticDecoder for `max_len` positions, its forward compiled (kept on the
     model and reused while max_len fits and the weights are the same: compiling takes seconds
     to minutes). `mode`: generate's `compile=` value, True or "max-autotune"."""
-    # one per mode: alternating modes must not recompile (nor spend torch's recompile limit)
+    # one per mode: alternating modes must not recompile
     kept = model.__dict__.setdefault("_static_decoders", {})
     version = weights_version(model)
     decoder = kept.get(mode)
     if decoder is not None and decoder.version == version and decoder.max_len >= max_len:
         return decoder
-    decoder = (StaticDecoder if mode is True else TunedStaticDecoder)(model, max_len)
+    decoder = own_class(StaticDecoder)(model, max_len)
     decoder.version = version
     # the module itself, not its forward: inductor freezes only a compiled module's weights
     if next(model.parameters()).device.type == "cuda":  # CUDA graphs: a step is one launch

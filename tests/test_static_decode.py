@@ -46,6 +46,23 @@ def test_a_frozen_step_follows_weights_changed_after_it_was_compiled():
     assert after == list(generate_tokens(model, PROMPT, **{**kw, "compile": False}))
 
 
+@pytest.mark.slow
+def test_every_model_compiles_its_own_step(monkeypatch):
+    # torch.compile keeps compiled code per code object, and past torch._dynamo's recompile_limit
+    # of variants of one it runs the code eagerly without a word: with one forward shared by
+    # every decoder, the ninth model compiled in a process (here the third: the limit set to 2)
+    # would decode eagerly, and its tokens would still equal the eager ones
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    kw = dict(max_new_tokens=3, temperature=0, eos_token_ids=[], compile=True)
+    for hidden in (16, 24, 32):
+        model = helpers.tiny_model("qwen3", num_hidden_layers=1, hidden_size=hidden)
+        graphs = counters["stats"]["unique_graphs"]
+        list(generate_tokens(model, PROMPT, **kw))
+        assert counters["stats"]["unique_graphs"] == graphs + 1, f"hidden_size {hidden}"
+
+
 def test_compile_refuses_what_it_cannot_run():
     model = helpers.tiny_model("qwen4_exp_text")
     with pytest.raises(ValueError, match="no fixed-shape decode step"):
