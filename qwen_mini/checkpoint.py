@@ -149,7 +149,7 @@ def _mtp_head(cfg: Config, arch: Architecture, config_file: Path, stored: dict) 
         return replace(cfg, mtp_num_hidden_layers=0)
     said = any(text_fields(_read_json(config_file)).get(k) is not None for k in MTP_COUNT)
     if layers and not said and "mtp." in arch.ignored_prefixes:
-        return replace(cfg, mtp_num_hidden_layers=max(layers) + 1)
+        return replace(cfg, mtp_num_hidden_layers=len(layers))  # a gap is named by validation
     return cfg
 
 
@@ -158,8 +158,9 @@ def _hint(name: str, cfg: Config, arch: Architecture) -> str:
     exist."""
     if name.startswith("mtp."):
         return (
-            f"config.json says mtp_num_hidden_layers = {cfg.mtp_num_hidden_layers} (the "
-            f"multi-token-prediction head)"
+            f"the multi-token-prediction head has {cfg.mtp_num_hidden_layers} layer(s) "
+            f"(config.json's mtp_num_hidden_layers, or where it has none, the mtp.layers.* "
+            f"the weights carry)"
         )
     m = re.search(r"layers\.(\d+)\.", name)
     if m and int(m.group(1)) >= cfg.num_hidden_layers:

@@ -154,3 +154,11 @@ def test_a_head_the_config_does_not_count_is_counted_from_the_weights(tmp_path):
     # where config.json says 0, the weights' head is left out, as it says
     _with_head(tmp_path, lambda config: config.update(num_nextn_predict_layers=0))
     assert getattr(load_checkpoint(tmp_path), "mtp", None) is None
+    # a head whose layers have a gap is refused, naming the missing layer (a huge index costs
+    # nothing first: the count is how many layers the weights hold, here 2)
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    moved = {k.replace("mtp.layers.0.", "mtp.layers.999999.", 1): v for k, v in stored.items()}
+    save_file(moved, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    _with_head(tmp_path, silent)  # mtp.layers.0 again, beside mtp.layers.999999
+    with pytest.raises(CheckpointError, match=r"mtp\.layers\.1\..* missing.*the weights carry"):
+        load_checkpoint(tmp_path)
