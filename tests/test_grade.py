@@ -262,6 +262,9 @@ def test_processes_left_running_are_stopped_before_a_check(graded):
     name = "s1_leaves_a_helper"
     assert rows[name]["total"] == "5" and statuses(rows, name) == ["passed"] * 4
     assert _printed(reports, name, "HELPER ") == ["gone gone"]
+    # hidden from os.listdir, os.kill made a no-op: stopped all the same
+    assert _printed(reports, "s4_hides_its_helper", "HIDDEN ") == ["gone"]
+    assert rows["s4_hides_its_helper"]["total"] == "5"
     # the copy, the shell (and its sleep, once started), stopped before the next check
     [warning] = reports[name]["warnings"]
     assert re.fullmatch(

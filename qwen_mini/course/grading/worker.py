@@ -386,6 +386,13 @@ def _describe(e: BaseException, filename: str) -> str:
     return f"raised {exception_text(e)}{at}"
 
 
+# what stopping a notebook's processes calls, bound before any learner code: a cell that
+# replaces os.listdir or os.kill does not hide its processes from the stop
+_os = types.SimpleNamespace(
+    getppid=os.getppid, listdir=os.listdir, kill=os.kill, waitpid=os.waitpid
+)
+
+
 def _stop_leftovers(wait: float) -> tuple[int, str]:
     """Stop every process the submission left running, before an exercise is checked: a helper
     would compute out of the monitor's sight, and a fork bomb's copies, each ending as its fork
@@ -395,19 +402,19 @@ def _stop_leftovers(wait: float) -> tuple[int, str]:
     killed get up to `wait` seconds to be gone. Returns how many were running, and one still
     running after that ("" if none: a process stuck in the kernel may not yet have seen its
     signal)."""
-    if os.getppid() != 1:  # not in a jail of its own: kill(-1) would reach the user's processes
+    if _os.getppid() != 1:  # not in a jail of its own: kill(-1) would reach the user's processes
         return 0, ""
     me, until = os.getpid(), time.monotonic() + wait
 
     def running() -> list[str]:  # not yet ended, and not on their way out
         _reap()
-        ours = (p for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me))
+        ours = (p for p in _os.listdir("/proc") if p.isdigit() and int(p) not in (1, me))
         return [p for p in ours if _live(p)]
 
     found = left = running()
     while left and time.monotonic() < until:
         with contextlib.suppress(OSError):
-            os.kill(-1, signal.SIGKILL)
+            _os.kill(-1, signal.SIGKILL)
         time.sleep(0.02)
         left = running()
     return len(found), f"process {left[0]}" if left else ""
@@ -417,7 +424,7 @@ def _reap() -> None:
     """Collect this process's ended children (they stay in /proc until it does)."""
     while True:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            pid, _ = _os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
