@@ -35,7 +35,7 @@ from qwen_mini.course import notebooks as nbs
 from qwen_mini.course.checking import PATH_ENV
 from qwen_mini.course.grading import cli as grade
 from qwen_mini.course.grading import jail
-from qwen_mini.course.grading.sandbox import PROCESS_OUTPUT_CAP
+from qwen_mini.course.grading.sandbox import PROCESS_OUTPUT_CAP, SUBMISSION_PREFIX
 
 # `pytest -n 2 --dist loadgroup` (the Makefile) runs this file in one worker: its module
 # fixtures grade the whole corpus once
@@ -232,7 +232,8 @@ def test_no_process_of_a_submission_outlives_its_grading(graded):
         except OSError:
             pass
     assert survivors == []
-    groups = [p for p in Path("/sys/fs/cgroup").glob("*/qwen-mini-grading/qwen-mini-submission-*")]
+    # this run's groups only: another test's grading may run beside it
+    groups = list(Path("/sys/fs/cgroup").glob(f"*/qwen-mini-grading/{SUBMISSION_PREFIX}*"))
     assert not [g for g in groups if (g / "cgroup.procs").read_text().strip()]
 
 

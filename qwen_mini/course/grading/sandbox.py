@@ -44,6 +44,9 @@ from .protocol import Codec, ProtocolError
 PROCESS_OUTPUT_CAP = 20_000  # bytes kept of what a worker wrote to its stdout / stderr
 MAX_NESTING = 20  # requests from the worker while one of ours is pending
 SYSTEM_TMP = tempfile.gettempdir()  # where submissions' folders go (the grader's own: per run)
+# the name of each submission's folder (and cgroups) starts with it: the pid of the grader that
+# loaded this module, so one grading run's leftovers are told from those of another beside it
+SUBMISSION_PREFIX = f"qwen-mini-submission-{os.getpid()}-"
 BOOT = (
     "import sys; sys.path.insert(0, sys.argv[2]); "
     "from qwen_mini.course.grading.worker import serve; serve(int(sys.argv[1]))"
@@ -268,7 +271,7 @@ class Connection:
         self.deadline = time.monotonic() + START_TIMEOUT
         self.request_id, self.depth = 0, 0
         self.rng: torch.Tensor | None = None  # torch's random state as the worker has it now
-        self.cwd = tempfile.mkdtemp(prefix="qwen-mini-submission-", dir=SYSTEM_TMP)
+        self.cwd = tempfile.mkdtemp(prefix=SUBMISSION_PREFIX, dir=SYSTEM_TMP)
         self.output = tempfile.TemporaryFile(dir=cell.workdir)
         # the checks' own files (a safetensors file they write) go with this submission
         self.scratch = tempfile.mkdtemp(prefix="checks-", dir=cell.workdir)
