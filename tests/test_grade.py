@@ -260,12 +260,9 @@ def test_killing_its_parent_or_everything_costs_that_submission_only(graded):
 
 def test_processes_left_running_are_stopped_before_a_check(graded):
     _, rows, reports, _, _ = graded
-    name = "s1_leaves_a_helper"
+    name = "s3_leaves_a_helper"
     assert rows[name]["total"] == "5" and statuses(rows, name) == ["passed"] * 4
     assert _printed(reports, name, "HELPER ") == ["gone gone"]
-    # hidden from os.listdir, os.kill made a no-op: stopped all the same
-    assert _printed(reports, "s4_hides_its_helper", "HIDDEN ") == ["gone"]
-    assert rows["s4_hides_its_helper"]["total"] == "5"
     # the copy, the shell (and its sleep, once started), stopped before the next check
     [warning] = reports[name]["warnings"]
     assert re.fullmatch(
@@ -273,6 +270,13 @@ def test_processes_left_running_are_stopped_before_a_check(graded):
         r"stopped before it was checked",
         warning,
     ), warning
+
+
+def test_a_helper_hidden_from_the_stop_is_stopped_all_the_same(graded):
+    # hidden from os.listdir, os.kill made a no-op: the stop calls what it bound before any cell
+    _, rows, reports, _, _ = graded
+    assert _printed(reports, "s4_hides_its_helper", "HIDDEN ") == ["gone"]
+    assert rows["s4_hides_its_helper"]["total"] == "5"
 
 
 def test_a_thread_that_keeps_starting_processes_gets_none_beside_a_check(graded):
