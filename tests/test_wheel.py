@@ -50,6 +50,9 @@ NOT_SOURCES = shutil.ignore_patterns(
 
 
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    # never this clone through PYTHONPATH (a maintainer's shell may set it): pip would find the
+    # clone's qwen_mini.egg-info there and take the wheel as installed already
+    kw.setdefault("env", {k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     done = subprocess.run(cmd, capture_output=True, text=True, **kw)
     assert done.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{done.stdout}\n{done.stderr}"
     return done

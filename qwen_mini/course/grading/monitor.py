@@ -193,19 +193,40 @@ class Snapshot:
 def namespaces() -> dict[str, int]:
     """Public names of torch, torch.nn.functional, Tensor, Module, the builtins and the package's
     model modules, each with the id of what it refers to."""
-    import torch
     import torch.nn.functional as F
 
     spaces = dict(torch=torch, F=F, Tensor=torch.Tensor, Module=torch.nn.Module, builtins=builtins)
     for name, module in list(sys.modules.items()):
         if name.split(".")[0] == "qwen_mini" and not name.startswith("qwen_mini.course"):
             spaces[name] = module
-    return {
+    names = {
         f"{where}.{k}": id(v)
         for where, m in spaces.items()
         for k, v in list(vars(m).items())
         if not k.startswith("_") and not isinstance(v, types.ModuleType)
     }
+    if _wraps_the_seed(torch.manual_seed):
+        names["torch.manual_seed"] = id(_SEED)
+    return names
+
+
+# torch.compile's compiler, imported when a notebook first compiles, puts torch.manual_seed in a
+# wrapper of its own (torch._dynamo's import); that wrapper, of the function there was before any
+# learner code ran, is the same torch.manual_seed
+_SEED = torch.manual_seed
+_WRAPPER = torch._disable_dynamo(_SEED)  # one made now, for the wrapper's code and globals
+
+
+def _wraps_the_seed(value) -> bool:
+    if not isinstance(value, types.FunctionType) or value is _SEED:
+        return False
+    if value.__code__ is not _WRAPPER.__code__ or value.__globals__ is not _WRAPPER.__globals__:
+        return False
+    cells = dict(zip(value.__code__.co_freevars, value.__closure__ or (), strict=False))
+    try:
+        return cells["fn"].cell_contents is _SEED and cells["recursive"].cell_contents is True
+    except (KeyError, ValueError):
+        return False
 
 
 def changed(before: dict[str, int]) -> str:

@@ -389,7 +389,7 @@ def _describe(e: BaseException, filename: str) -> str:
 # what stopping a notebook's processes calls, bound before any learner code: a cell that
 # replaces os.listdir or os.kill does not hide its processes from the stop
 _os = types.SimpleNamespace(
-    getppid=os.getppid, listdir=os.listdir, kill=os.kill, waitpid=os.waitpid
+    getppid=os.getppid, listdir=os.listdir, kill=os.kill, waitpid=os.waitpid, _exit=os._exit
 )
 
 
@@ -461,8 +461,7 @@ def _settle(memory_mb: int) -> None:
     sys.dont_write_bytecode = True
     sys.path[:] = [p for p in sys.path if p and not os.access(p, os.W_OK)]  # none it can write
     sys.path_importer_cache.clear()
-    sys.stdout = _output(1)
-    sys.stderr = _output(2)
+    sys.stdout, sys.stderr = _STREAMS[:] = _output(1), _output(2)
 
 
 class _Output(io.RawIOBase):
@@ -488,6 +487,9 @@ class _Output(io.RawIOBase):
             return len(data)
 
 
+_STREAMS: list = []  # the worker's stdout and stderr
+
+
 def _output(fd: int) -> io.TextIOWrapper:
     buffered = io.BufferedWriter(_Output(fd))
     return io.TextIOWrapper(buffered, errors="backslashreplace", line_buffering=True)
@@ -508,6 +510,12 @@ def _worker_main(sock: socket.socket, snapshot: Snapshot) -> None:
         worker.serve()
     except (EOFError, OSError, ProtocolError):
         pass
+    # the grader has closed the channel: end now, without the second of tearing down Python and
+    # torch (and without running what the notebook registered to run at exit)
+    for stream in _STREAMS:  # ours, whatever the notebook put in their place
+        with contextlib.suppress(Exception):
+            stream.flush()
+    _os._exit(0)
 
 
 def _reference_of(pieces: dict):
@@ -559,15 +567,15 @@ def serve(sock_fd: int) -> None:
     os.environ.pop("PWD", None)  # bwrap sets it after --chdir; the jail's environment is the list
     try:
         job = protocol.receive(sock)
-        import torch
-        import torch._dynamo  # noqa: F401  (imported before learner code: importing it is no change)
-        import torch._inductor.config
-
         # torch.compile compiles in the process itself (no pool of compile workers, which a
         # check, where a compiled helper may first be called, could not start), and without
-        # precompiled headers (a file of 150 MB, over the file size limit)
-        torch._inductor.config.compile_threads = 1
-        torch._inductor.config.cpp_cache_precompile_headers = False
+        # precompiled headers (a file of 150 MB, over the file size limit). Set for inductor to
+        # read when a notebook first compiles: importing the compiler up front would cost every
+        # worker a second (monitor.namespaces accepts what that import changes).
+        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+        os.environ["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] = "0"
+        import torch
+
         torch.set_num_threads(1)
         os.environ.setdefault("MPLBACKEND", "Agg")
         with contextlib.suppress(ImportError):  # its fonts, before the limits
