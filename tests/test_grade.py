@@ -716,6 +716,16 @@ def test_honest_notebooks_get_full_marks(graded, name):
     assert rows[name]["total"] == "5"
 
 
+def test_only_torch_compiles_own_wrapper_of_the_seed_is_no_change(graded):
+    """The worker leaves torch's compiler to the first notebook that compiles (it costs every
+    worker a second); importing it wraps torch.manual_seed, which s3_torch_compile's full marks
+    show is accepted. The same wrapper's code around another function is a change."""
+    _, rows, reports, _, _ = graded
+    assert statuses(rows, "s4_forged_seed") == ["tampered"] * 4, reports["s4_forged_seed"]
+    message = reports["s4_forged_seed"]["exercises"]["ch98.add_one"]["message"]
+    assert "torch.manual_seed" in message, message
+
+
 def test_skipped_magics_are_noted(graded):
     warnings = " ".join(graded[2]["s3_magics"]["warnings"])
     assert "%matplotlib" in warnings and "echo hello" in warnings
