@@ -265,17 +265,21 @@ def test_model_level_cheats_score_zero(tmp_path):
 
     refs = [dict(c, source=MODEL_LEVEL_REFERENCES.get(c["id"], c["source"])) for c in nb["cells"]]
     (tmp_path / "refs.ipynb").write_text(json.dumps(upto("a8000010", refs)))
-    zero = [dict(c, source=ZEROES_THE_CHECKS_WEIGHTS) if c["id"] == "a8000004" else c
-            for c in nb["cells"]]  # fmt: skip
-    (tmp_path / "zero.ipynb").write_text(json.dumps(upto("a8000004", zero)))
-    rows = _grade(tmp_path, 1, [tmp_path / "refs.ipynb", tmp_path / "zero.ipynb"])
-    refs_row, zero_row = rows[f"{tmp_path.name}/refs"], rows[f"{tmp_path.name}/zero"]
+    # p.zero_(), and p.data.zero_(): `.data` has a version counter of its own
+    for name, zeroes in (("zero", "p.zero_()"), ("zero_data", "p.data.zero_()")):
+        source = ZEROES_THE_CHECKS_WEIGHTS.replace("p.zero_()", zeroes)
+        zero = [dict(c, source=source) if c["id"] == "a8000004" else c for c in nb["cells"]]
+        (tmp_path / f"{name}.ipynb").write_text(json.dumps(upto("a8000004", zero)))
+    rows = _grade(tmp_path, 1, sorted(tmp_path.glob("*.ipynb")))
+    refs_row = rows[f"{tmp_path.name}/refs"]
     for exercise in ("ch01.DecoderLayer", "ch01.model_forward", "ch01.load_weights", "ch01.decode"):
         assert refs_row[f"{exercise} status"] == "reference", exercise
     assert float(refs_row["total"]) == 0
-    assert zero_row["ch01.DecoderLayer status"] == "failed" and float(zero_row["total"]) == 0
-    report = json.loads((tmp_path / "reports" / "zero.json").read_text())
-    assert (
-        "changed weight of a module the check passed in"
-        in (report["exercises"]["ch01.DecoderLayer"]["message"])
-    )
+    for name in ("zero", "zero_data"):
+        zero_row = rows[f"{tmp_path.name}/{name}"]
+        assert zero_row["ch01.DecoderLayer status"] == "failed" and float(zero_row["total"]) == 0
+        report = json.loads((tmp_path / "reports" / f"{name}.json").read_text())
+        assert (
+            "changed weight of a module the check passed in"
+            in (report["exercises"]["ch01.DecoderLayer"]["message"])
+        ), name

@@ -206,13 +206,23 @@ def test_a_module_by_value_comes_back_as_the_graders_own_object():
     assert type(copy) is torch.nn.Linear and copy is not layer
     assert torch.equal(copy.weight, layer.weight)
     assert grader.decode(worker.encode([copy, copy.weight]))[0] is layer
-    # the learner's code changes the weights of the check's module: refused when applied
-    with torch.no_grad():
-        copy.weight.zero_()
-    state = [[grader.handle(layer), worker.encode(byvalue.state_of(copy))]]
-    with pytest.raises(AssertionError, match="changed weight"):
-        byvalue.apply_state(grader, state, grader.decode)
-    assert layer.weight.abs().sum() > 0
+    h = grader.handle(layer)
+    # the learner's code changes the weights of the check's module: refused when applied, also
+    # when written through .data (whose version counter is not the parameter's)
+    for zero in (lambda p: p.zero_(), lambda p: p.data.zero_()):
+        copy = worker.decode(grader.encode(layer))  # (sent again: as the grader has it)
+        # its weights go back once (the grader then watches them for its own changes in
+        # place), then only when changed
+        first = [[h, worker.encode(byvalue.state_of(worker, h, copy))]]
+        assert set(grader.decode(first[0][1])["params"]) == {"weight", "bias"}
+        byvalue.apply_state(grader, first, grader.decode)
+        assert byvalue.state_of(worker, h, copy)["params"] == {}
+        with torch.no_grad():
+            zero(copy.weight)
+        state = [[h, worker.encode(byvalue.state_of(worker, h, copy))]]
+        with pytest.raises(AssertionError, match="changed weight"):
+            byvalue.apply_state(grader, state, grader.decode)
+        assert layer.weight.abs().sum() > 0
 
 
 def test_a_meta_module_may_be_filled_and_records_come_back():
@@ -224,8 +234,8 @@ def test_a_meta_module_may_be_filled_and_records_come_back():
     copy = worker.decode(grader.encode(target))
     given = worker.decode(grader.encode(torch.ones(2, 2)))  # what a check's callback returned
     copy.load_state_dict({"weight": given}, assign=True)
-    before = worker.snapshots[grader.handle(target)]
-    state = [[grader.handle(target), worker.encode(byvalue.state_of(copy, before))]]
+    h = grader.handle(target)
+    state = [[h, worker.encode(byvalue.state_of(worker, h, copy))]]
     byvalue.apply_state(grader, state, grader.decode)
     assert type(target.weight) is torch.nn.Parameter and torch.equal(
         target.weight, torch.ones(2, 2)
@@ -243,11 +253,11 @@ def test_a_package_state_may_change_its_tensors_and_numbers_only():
     assert type(copy) is KVCache and copy is not cache
     copy.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
     copy.commit(3)
-    state = [[h, worker.encode(byvalue.state_of(copy, worker.snapshots[h]))]]
+    state = [[h, worker.encode(byvalue.state_of(worker, h, copy))]]
     byvalue.apply_state(grader, state, grader.decode)
     assert cache.length == 3 and torch.equal(cache.k[:, :, :3], torch.ones(1, 2, 3, 4))
     copy.length = [3]  # not a number: refused
-    state = [[h, worker.encode(byvalue.state_of(copy, worker.snapshots[h]))]]
+    state = [[h, worker.encode(byvalue.state_of(worker, h, copy))]]
     with pytest.raises(AssertionError, match="changed length"):
         byvalue.apply_state(grader, state, grader.decode)
 
@@ -260,8 +270,8 @@ def test_a_worker_object_cannot_replace_an_attribute_of_the_graders():
     module.helper = types_ns = __import__("types").SimpleNamespace(a=1)
     copy = worker.decode(grader.encode(module))
     copy.helper = object.__new__(type("Evil", (), {}))  # a learner's object
-    before = worker.snapshots[grader.handle(module)]
-    state = [[grader.handle(module), worker.encode(byvalue.state_of(copy, before))]]
+    h = grader.handle(module)
+    state = [[h, worker.encode(byvalue.state_of(worker, h, copy))]]
     with pytest.raises(AssertionError, match="changed helper"):
         byvalue.apply_state(grader, state, grader.decode)
     assert module.helper is types_ns

@@ -270,9 +270,11 @@ def loads(data: str, codec):
         obj = _Unpickler(io.BytesIO(base64.b64decode(data)), codec).load()
     finally:
         _WORKER = None
-    for h, copy in list(codec.from_grader.items()):  # as the grader has them now
-        if not isinstance(copy, torch.Tensor):
-            codec.snapshots[h] = _signature(copy)
+    for h, copy in list(codec.copies.items()):  # as the grader has them now
+        codec.snapshots[h] = _signature(copy)
+        # its tensors go back once in the next report: the grader then watches them for
+        # changes it makes in place (the `mirrors`), which reach this copy (see state_of)
+        codec.weights.pop(h, None)
     return obj
 
 
@@ -296,14 +298,22 @@ def _signature(obj) -> dict:
     return {k: _sig(v) for k, v in attrs.items()} if isinstance(attrs, dict) else {}
 
 
-def state_of(obj, before: dict | None = None) -> dict:
-    """What the grader takes back of a copy: parameters and buffers of a module (by name), and
-    the public attributes that changed since the grader sent it (`before`)."""
-    before = before or {}
+def state_of(codec, h, obj) -> dict:
+    """What the grader takes back of a copy: the parameters and buffers of a module (by name),
+    all of them in the first report after it was sent, then those that are other tensors or
+    were written in place since the last report (the grader keeps the rest); and the public
+    attributes that changed since the grader sent it."""
+    before = codec.snapshots.get(h) or {}
     out = {}
     if isinstance(obj, torch.nn.Module):
+        weights, last = _weights(obj), codec.weights.get(h, {})
         for kind, table in (("params", obj._parameters), ("buffers", obj._buffers)):
-            out[kind] = {k: t for k, t in table.items() if t is None or not t.is_meta}
+            out[kind] = {
+                k: t
+                for k, t in table.items()
+                if (t is None or not t.is_meta) and not _same(last.get((kind, k)), weights[kind, k])
+            }
+        codec.weights[h] = weights
     attrs = getattr(obj, "__dict__", None)
     if isinstance(attrs, dict):
         out["attrs"] = {
@@ -318,6 +328,22 @@ def state_of(obj, before: dict | None = None) -> dict:
     return out
 
 
+def _weights(module: torch.nn.Module) -> dict:
+    """(kind, name) -> each parameter and buffer as it is now (see `_as_sent`)."""
+    return {
+        (kind, name): _as_sent(t)
+        for kind, table in (("params", module._parameters), ("buffers", module._buffers))
+        for name, t in table.items()
+    }
+
+
+def _same(before, now) -> bool:
+    """The same tensor (or None) as before, with the same values."""
+    if before is None or before[0] is not now[0]:
+        return False
+    return now[0] is None or not _changed(*before)
+
+
 TRACKED_BYTES_MAX = 64 * 2**20  # a bigger tensor is compared by its version counter only
 
 
@@ -325,11 +351,21 @@ def track(codec, h, value) -> None:
     """Worker: `value` (a tensor, list, dict or set) arrived as the grader's object `h`; note it
     as it is now, to tell later what the learner's code changed."""
     if isinstance(value, torch.Tensor):
-        small = value.numel() * value.element_size() <= TRACKED_BYTES_MAX
-        codec.sent[h] = (value, value._version, value.detach().clone() if small else None)
+        codec.sent[h] = _as_sent(value)
     else:
         codec.sent[h] = (value, _items(value), None)
         codec.origin[id(value)] = h
+
+
+def _as_sent(t: torch.Tensor | None) -> tuple:
+    """(tensor, version, copy): to tell later whether it was written in place (by its bytes; a
+    big one, or one made under inference_mode, by its version counter). `.data` has a version
+    counter of its own, so a write through it is seen only in the bytes."""
+    if t is None or t.is_meta:
+        return (t, None, None)
+    version = None if t.is_inference() else t._version
+    small = t.numel() * t.element_size() <= TRACKED_BYTES_MAX
+    return (t, version, t.detach().clone() if small else None)
 
 
 def _items(value) -> tuple:
@@ -342,8 +378,8 @@ def _items(value) -> tuple:
 
 def _changed(value, version, before) -> bool:
     if isinstance(value, torch.Tensor):
-        if before is None:  # too big to keep a copy of: written in place, or not
-            return value._version != version
+        if before is None:  # no copy kept (too big): written in place, or not
+            return version is None or value._version != version
         return not (value.shape == before.shape and torch.equal(value.detach(), before))
     return _items(value) != version
 

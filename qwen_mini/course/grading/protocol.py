@@ -157,16 +157,20 @@ class Codec:
         self.is_remote = lambda obj: False  # grader: a stand-in for a worker's object
         self.params: dict[int, torch.nn.Parameter] = {}  # grader: id(tensor) -> its Parameter
         self.from_grader: dict[int, object] = {}  # worker: grader handle -> its copy here
+        self.copies: dict[int, object] = {}  # worker: those of them sent by value (not tensors)
         self.origin: dict[int, int] = {}  # worker: id(copy) -> the grader's handle
         self.storage_origin: dict[int, int] = {}  # worker: data_ptr -> grader tensor handle
         self.tensor_cache: dict[tuple, torch.Tensor] = {}  # grader: one tensor per worker view
         self.snapshots: dict[int, dict] = {}  # worker: grader handle -> its attributes as sent
+        self.weights: dict[int, dict] = {}  # worker: grader handle -> its tensors as last reported
         self.sent: dict[int, tuple] = {}  # worker: grader handle -> a tensor or container as sent
 
     def adopt(self, h, obj) -> None:
         """Worker: `obj` is the copy of the grader's object `h` (by value or as a tensor)."""
         self.from_grader[h] = obj
         self.origin[id(obj)] = h
+        if not isinstance(obj, torch.Tensor):
+            self.copies[h] = obj
         if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
             with _suppress():
                 self.storage_origin[obj.untyped_storage().data_ptr()] = h

@@ -212,15 +212,11 @@ class Worker:
     def changes(self) -> dict:
         """The state of the grader's objects this process holds, as the learner's code left
         them: by-value copies ("state"), tensors and containers passed as data ("args")."""
-        import torch
-
         out = {}
-        copies = self.codec.from_grader
-        if any(not isinstance(obj, torch.Tensor) for obj in copies.values()):
+        if self.codec.copies:
             out["state"] = [
-                [h, self.codec.encode(byvalue.state_of(obj, self.codec.snapshots.get(h)))]
-                for h, obj in list(copies.items())
-                if not isinstance(obj, torch.Tensor)
+                [h, self.codec.encode(byvalue.state_of(self.codec, h, obj))]
+                for h, obj in list(self.codec.copies.items())
             ]
         changed = byvalue.changed_arguments(self.codec)
         if changed:
@@ -259,6 +255,8 @@ class Worker:
                 return None
             if op == "begin":
                 self.codec.from_grader.clear()  # the copies of an earlier exercise's checks
+                self.codec.copies.clear()
+                self.codec.weights.clear()
                 self.codec.origin.clear()
                 self.codec.storage_origin.clear()
                 self.codec.snapshots.clear()
