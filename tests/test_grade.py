@@ -758,6 +758,7 @@ def test_a_later_exercise_falls_back_to_the_package_piece(graded, name, status):
         ("s4_subclass", "ch98.Scale"),
         ("s4_function_copy", "ch98.add_one"),
         ("s4_code_replace", "ch98.add_one"),
+        ("s4_code_edited", "ch98.mean_square"),
         ("s4_marshal", "ch98.add_one"),
         ("s4_exec_source", "ch98.add_one"),
         # the package's source laundered: through a cell magic, compiled again with other

@@ -10,13 +10,16 @@ import csv
 import json
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
 from qwen_mini.course import build
 from qwen_mini.course import notebooks as nbs
+from qwen_mini.course.checking import reference
 from qwen_mini.course.grading import cli as grade
+from qwen_mini.course.grading.plan import load_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,7 +69,31 @@ try:
 except ImportError as e:
     print("PROBE not imported:", type(e).__name__)
 _folder = os.path.join(os.path.dirname(qwen_mini.__file__), "course", "checks")
-print("PROBE listed", sorted(os.listdir(_folder)) if os.path.isdir(_folder) else None)"""
+print("PROBE listed", sorted(os.listdir(_folder)) if os.path.isdir(_folder) else None)
+
+# nor is the source of this chapter's references (to edit and run, or run as TorchScript),
+# while an earlier chapter's is
+import inspect, torch
+from qwen_mini.course.checking import reference
+
+
+def _read(exercise_id):
+    try:
+        return bool(inspect.getsource(reference(exercise_id)))
+    except (OSError, TypeError):
+        return False
+
+
+def _scripted(exercise_id):
+    try:
+        return torch.jit.script(reference(exercise_id)) is not None
+    except Exception:
+        return False
+
+
+print("PROBE sources read", sorted(x for x in {exercises} if _read(x)))
+print("PROBE scripted", sorted(x for x in {functions} if _scripted(x)))
+print("PROBE an earlier chapter's source read", _read("ch00.mlp"))"""
 ISOLATED = os.geteuid() == 0 and sys.platform == "linux"  # the sandbox's view of its own
 
 
@@ -77,7 +104,12 @@ def _cheat(folder: Path, chapter: int, cell: str, source: str) -> Path:
     slowest cells of chapters 1, 3, 5 and 7) grade nothing."""
     nb = learner_copy(chapter)
     probe = dict(nb["cells"][0], cell_type="code", id="probe", outputs=[], execution_count=None)
-    probe["metadata"], probe["source"] = {}, LOOKS_FOR_CHECKS.format(chapter=f"ch{chapter:02d}")
+    ids = load_reference(ROOT / "solutions", chapter).ids
+    functions = [x for x in ids if isinstance(reference(x), types.FunctionType)]
+    probe["metadata"], probe["source"] = (
+        {},
+        LOOKS_FOR_CHECKS.format(chapter=f"ch{chapter:02d}", exercises=ids, functions=functions),
+    )
     cells = [dict(c, source=source) if c["id"] == cell else c for c in nb["cells"]]
     last = max(i for i, c in enumerate(cells) if checked_in(c))
     nb["cells"] = [probe, *cells[: last + 1]]
@@ -212,7 +244,13 @@ def test_real_chapter_grades(tmp_path, chapter):
     if ISOLATED:
         output = json.loads((tmp_path / "reports" / "cheat.json").read_text())["process_output"]
         probed = [line for line in output.splitlines() if line.startswith("PROBE")]
-        assert probed == ["PROBE not imported: ModuleNotFoundError", "PROBE listed []"], output
+        assert probed == [
+            "PROBE not imported: ModuleNotFoundError",
+            "PROBE listed []",
+            "PROBE sources read []",
+            "PROBE scripted []",
+            f"PROBE an earlier chapter's source read {chapter > 0}",
+        ], output
 
 
 # chapter 1's model-level checks hand the learner's code their own modules and models (by value)

@@ -1,17 +1,19 @@
 """The reference watch: a reference's source compiled again in any way (optimize levels, with or
-without `from __future__ import annotations`, through ast) is recognised, and nothing else is:
-no function of torch, the standard library or IPython looks like a copy of a reference."""
+without `from __future__ import annotations`, through ast), and its code object copied with its
+tables or line numbers changed, are recognised, and nothing else is: no function of torch, the
+standard library or IPython looks like a copy of a reference."""
 
+import dis
 import gc
 import inspect
 import types
 
 from qwen_mini.course.checking import exercises
-from qwen_mini.course.grading.monitor import Snapshot, _codes, fingerprint
+from qwen_mini.course.grading.monitor import Snapshot, _codes, exact, fingerprint
 from qwen_mini.course.grading.sandbox import _chapter_spec
 from qwen_mini.course.grading.worker import _references
 
-CHAPTERS = [f"ch{n:02d}" for n in range(7)]
+CHAPTERS = [f"ch{n:02d}" for n in range(8)]
 
 
 def test_recompiled_copies_of_a_reference_are_recognised():
@@ -27,6 +29,41 @@ def test_recompiled_copies_of_a_reference_are_recognised():
             assert fingerprint(code) in snap.fingerprints["ch00.rope_cos_sin"], (optimize, flags)
 
 
+def test_copies_of_a_reference_with_other_tables_are_recognised():
+    from qwen_mini import rope
+
+    snap = Snapshot(exercises("ch00"))
+    code = rope.rope_cos_sin.__code__
+    nop = bytes([dis.opmap["NOP"], 0])
+    copies = {
+        "an unused constant": code.replace(co_consts=(*code.co_consts, "unused")),
+        "an unused name": code.replace(co_names=(*code.co_names, "unused")),
+        "locals renamed": code.replace(co_varnames=tuple(f"v{i}" for i in range(code.co_nlocals))),
+        "constants reordered": code.replace(
+            co_consts=code.co_consts[::-1], co_code=_reindexed_consts(code)
+        ),
+        "a no-op, no line table": code.replace(
+            co_code=code.co_code[:2] + nop + code.co_code[2:], co_linetable=b""
+        ),
+    }
+    for what, copy in copies.items():
+        assert fingerprint(copy) in snap.fingerprints["ch00.rope_cos_sin"], what
+    # what the code does is what counts: another constant is another function
+    other = code.replace(co_consts=tuple(2.5 if c == 1.0 else c for c in code.co_consts))
+    assert other.co_consts != code.co_consts
+    assert fingerprint(other) not in snap.fingerprints["ch00.rope_cos_sin"]
+
+
+def _reindexed_consts(code):
+    """co_code with every instruction that reads co_consts pointing into it reversed."""
+    out = bytearray(code.co_code)
+    last = len(code.co_consts) - 1
+    for i in range(0, len(out), 2):
+        if out[i] in dis.hasconst:
+            out[i + 1] = last - out[i + 1]
+    return bytes(out)
+
+
 def test_no_foreign_function_looks_like_a_reference():
     # the earlier chapters' classes as the worker gets them from the grader
     snaps = {
@@ -40,6 +77,7 @@ def test_no_foreign_function_looks_like_a_reference():
         ours = module.startswith(("qwen_mini", "test_", "tests.", "helpers", "conftest"))
         if isinstance(obj, types.FunctionType) and not ours:
             for code in _codes(obj.__code__):
+                foreign.setdefault(exact(code), code.co_qualname)
                 foreign.setdefault(fingerprint(code), code.co_qualname)
     assert len(foreign) > 5000  # torch, the standard library, IPython
     for snap in snaps.values():

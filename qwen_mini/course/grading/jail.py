@@ -7,8 +7,9 @@ capability and runs as an unprivileged user id inside. Its root shows, read-only
 Python and the package need: the system folders, the Python installation and the folders on
 `sys.path`, and the package itself (from a source checkout, only `qwen_mini/`, its top-level
 `assets/` and `pyproject.toml`, never `solutions/` or `tests/`), with its check modules replaced
-by an empty folder. Its /tmp, /var/tmp and /dev/shm are tmpfs of its own, each capped at the
-submission's memory limit, and its folder (the current directory) is a fresh one of its own.
+by an empty folder and the modules of the graded chapter's references by their bytecode. Its
+/tmp, /var/tmp and /dev/shm are tmpfs of its own, each capped at the submission's memory
+limit, and its folder (the current directory) is a fresh one of its own.
 When the jail's first process ends (`--die-with-parent`: also when the grader dies), the kernel
 ends every process of its pid namespace: nothing a submission starts outlives it.
 
@@ -117,10 +118,14 @@ def hidden_paths() -> list[str]:
     return [str(CHECKS_DIR), *extra]
 
 
-def command(argv: list[str], cwd: str, memory_mb: int, files=(), info_fd=None) -> list[str]:
+def command(
+    argv: list[str], cwd: str, memory_mb: int, files=(), info_fd=None, sourceless=None
+) -> list[str]:
     """`argv` run in a jail (see the module's doc) in `cwd`, a host folder it may write.
     `files`: single files shown read-only even inside a hidden folder (an extra chapter's check
-    file that defines its references: the worker loads them, so their source is no secret)."""
+    file that defines its references: the worker loads them, so their source is no secret).
+    `sourceless`: {a module's source file: its compiled .pyc}; the jail shows the .pyc beside
+    where the source was, and not the source (see `without_sources`)."""
     size = str(memory_mb * 2**20)
     args = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns"]
     args += ["--die-with-parent", "--new-session"]
@@ -134,18 +139,46 @@ def command(argv: list[str], cwd: str, memory_mb: int, files=(), info_fd=None) -
             args += ["--symlink", os.readlink(path), path]
         else:
             args += ["--ro-bind", path, path]
+    replaced = without_sources(sourceless or {}, shown)
+    for folder, entries in replaced:  # a folder of its own, its entries bound one by one
+        args += ["--tmpfs", folder]
+        for source, target in entries:
+            args += ["--ro-bind", source, target]
     hidden = [p for p in hidden_paths() if os.path.isdir(p) and _inside(p, shown)]
     for path in hidden:  # an empty folder in its place
         args += ["--tmpfs", path]
     for path in files:
         args += ["--ro-bind", path, path]
-    for path in hidden:
+    for path in hidden + [folder for folder, _ in replaced]:
         args += ["--remount-ro", path]
     args += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm"]
     args += ["--bind", cwd, cwd, "--chdir", cwd]
     if info_fd is not None:
         args += ["--info-fd", str(info_fd)]
     return [*args, "--", *argv]
+
+
+def without_sources(sourceless: dict[str, str], shown: list[str]) -> list[tuple[str, list]]:
+    """[(folder, [(host path, path in the jail)])]: each visible folder holding a source to
+    hide, with everything it holds but those sources, and each one's .pyc in its place (Python
+    imports a module from a .pyc with no source beside it). Outer folders first: a folder's
+    entries show its subfolders as they are, then a subfolder gets its own."""
+    by_folder: dict[str, dict[str, str]] = {}
+    for source, compiled in sourceless.items():
+        source = os.path.realpath(source)
+        if source.endswith(".py") and _inside(source, shown):
+            by_folder.setdefault(os.path.dirname(source), {})[os.path.basename(source)] = compiled
+    out = []
+    for folder in sorted(by_folder, key=len):
+        hide = by_folder[folder]
+        entries = [
+            (os.path.join(folder, name), os.path.join(folder, name))
+            for name in sorted(os.listdir(folder))
+            if name not in hide and not name.endswith(".pyc")
+        ]
+        entries += [(pyc, os.path.join(folder, name[:-3] + ".pyc")) for name, pyc in hide.items()]
+        out.append((folder, entries))
+    return out
 
 
 def environment(cwd: str) -> dict[str, str]:

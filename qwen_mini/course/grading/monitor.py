@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ast
 import builtins
+import dis
+import hashlib
 import inspect
 import os
 import sys
@@ -25,6 +27,9 @@ import torch
 _setprofile = sys.setprofile
 _FUTURE_ANNOTATIONS = 0x1000000  # __future__.annotations.compiler_flag
 MIN_RECOMPILED_BYTES = 32  # bytecode of a recompiled variant that identifies its source
+# instructions a reference's function needs for its copies with other tables (its instructions
+# alone) to be recognised: a shorter one (`pass`, `self.length = n`) is like a thousand others
+DISTINCT = 8
 
 BLOCKED_WHILE_CHECKED = (
     "sys.setprofile",
@@ -103,14 +108,67 @@ def _codes(obj, seen=None, earlier=()) -> list[types.CodeType]:
     return out
 
 
-def fingerprint(code: types.CodeType) -> tuple:
-    """What a code object does, without where it was compiled: a copy of the reference's source
-    compiled again (exec, a module written to disk, `code.replace`) has the same fingerprint."""
-    consts = tuple(
-        fingerprint(c) if isinstance(c, types.CodeType) else (type(c).__name__, repr(c))
-        for c in code.co_consts
-    )
-    return (code.co_code, code.co_names, code.co_varnames, consts)
+_SKIPPED = {dis.opmap[name] for name in ("NOP", "EXTENDED_ARG", "CACHE")}
+_LOCAL = set(dis.haslocal) | set(dis.hasfree)
+
+
+def fingerprint(code: types.CodeType) -> str:
+    """What a code object does, without where it was compiled or how its tables are laid out: a
+    copy of the reference's source compiled again (exec, a module written to disk) and a copy of
+    its code object with constants, names or local names added, renamed or reordered, no-ops
+    inserted or its line table changed (`code.replace`) have the same fingerprint: a digest of
+    its instructions (see `_instructions`), the same in every process (the grader computes
+    those of the references' sources, which the worker's jail does not show)."""
+    return _digest(("instructions", _instructions(code)))
+
+
+def exact(code: types.CodeType) -> str:
+    """A digest of a code object's bytecode and tables as they are: for a function too short to
+    be recognised by its instructions alone (see DISTINCT)."""
+    consts = [exact(c) if isinstance(c, types.CodeType) else _constant(c) for c in code.co_consts]
+    return _digest(("exact", code.co_code, code.co_names, code.co_varnames, tuple(consts)))
+
+
+def _digest(value) -> str:
+    return hashlib.blake2b(repr(value).encode(), digest_size=16).hexdigest()
+
+
+def prints(code: types.CodeType) -> tuple[str, ...]:
+    """The fingerprints a reference's code object is recognised by (both, where it is long
+    enough)."""
+    if len(_instructions(code)) < DISTINCT:
+        return (exact(code),)
+    return (exact(code), fingerprint(code))
+
+
+def _instructions(code: types.CodeType) -> tuple:
+    """Each instruction with the constant or name it uses: a local by the order it first
+    appears, a jump by the instruction it goes to; no no-ops."""
+    kept = [i for i in dis.get_instructions(code) if i.opcode not in _SKIPPED]
+    index = {i.offset: n for n, i in enumerate(kept)}
+    local: dict = {}
+    out = []
+    for i in kept:
+        if i.opcode in _LOCAL:
+            arg = local.setdefault((i.opcode in dis.hasfree, i.argval), len(local))
+        elif i.opcode in dis.hasjrel or i.opcode in dis.hasjabs:
+            arg = index.get(i.argval, -1)
+        elif i.opcode in dis.hasconst:
+            arg = _constant(i.argval)
+        elif i.opcode in dis.hasname:
+            arg = i.argval
+        else:
+            arg = i.arg
+        out.append((i.opname, arg))
+    return tuple(out)
+
+
+def _constant(c) -> tuple | str:
+    if isinstance(c, types.CodeType):
+        return fingerprint(c)
+    if isinstance(c, frozenset):  # in an order of its own in every process
+        return ("frozenset", tuple(sorted(repr(x) for x in c)))
+    return (type(c).__name__, repr(c))
 
 
 def _sources(obj, earlier=()) -> list[str]:
@@ -132,7 +190,7 @@ def recompiled(obj, earlier=()) -> set:
     """The fingerprints of a reference's source compiled again in every way a submission can
     compile it: with or without `from __future__ import annotations`, with `optimize` 0, 1 or
     2 (no asserts, no docstrings), from source or from its AST parsed and unparsed again."""
-    out = set()
+    out, seen = set(), set()
     for source in _sources(obj, earlier):
         try:
             tree = ast.parse(source)
@@ -146,7 +204,10 @@ def recompiled(obj, earlier=()) -> set:
                         code = compile(text, "<copy>", "exec", flags, True, optimize)
                     except (SyntaxError, ValueError):
                         continue
-                    out.update(fingerprint(c) for c in _codes(code) if _distinctive(c))
+                    for c in _codes(code):  # most variants compile to the same code
+                        if _distinctive(c) and exact(c) not in seen:
+                            seen.add(exact(c))
+                            out.update(prints(c))
     return out
 
 
@@ -158,13 +219,26 @@ def _distinctive(code: types.CodeType) -> bool:
     return len(code.co_code) >= MIN_RECOMPILED_BYTES and not code.co_name.startswith("<")
 
 
+def all_recompiled(exercises, earlier=()) -> dict[str, list[str]]:
+    """{exercise id: the fingerprints of its reference's source compiled again}, as Snapshot
+    computes them where the source can be read."""
+    earlier = set(earlier) | {e.reference for e in exercises if isinstance(e.reference, type)}
+    return {
+        e.id: sorted(recompiled(e.reference, earlier - {e.reference}))
+        for e in exercises
+        if e.reference is not None
+    }
+
+
 class Snapshot:
     """Per exercise: the reference object, the ids of its code objects and their fingerprints;
     the ids of every code object of the package; what the checked namespaces hold."""
 
-    def __init__(self, exercises, earlier=()):
+    def __init__(self, exercises, earlier=(), recompiled_given=None):
         """`earlier`: the reference classes of earlier chapters' exercises, which a variant may
-        subclass (their code is theirs, not the variant's)."""
+        subclass (their code is theirs, not the variant's). `recompiled_given`: {exercise id:
+        fingerprints of its source compiled again} (see `all_recompiled`), where the source is
+        not here to read (the worker's jail)."""
         self.references = {e.id: e.reference for e in exercises}
         # a class of this chapter may subclass another exercise's (SharedExpertMoeBlock of
         # SparseMoeBlock): that base is the other exercise's code, whoever's it is
@@ -177,9 +251,12 @@ class Snapshot:
             self.code_ids[e.id] = {id(c) for c in codes}
             # its own code objects, however short (a copy with another name is still a copy),
             # but no comprehension, generator expression or lambda on its own (see _distinctive)
-            self.fingerprints[e.id] = {
-                fingerprint(c) for c in codes if not c.co_name.startswith("<")
-            } | recompiled(e.reference, set(earlier) - {e.reference})
+            own = {p for c in codes if not c.co_name.startswith("<") for p in prints(c)}
+            if recompiled_given is None:
+                again = recompiled(e.reference, set(earlier) - {e.reference})
+            else:
+                again = set(recompiled_given.get(e.id, ()))
+            self.fingerprints[e.id] = own | again
         self.package_ids = set()
         for name, module in list(sys.modules.items()):
             if name.split(".")[0] == "qwen_mini" and module is not None:
@@ -269,8 +346,9 @@ class Monitor:
             return  # an earlier piece of the package: allowed
         entry = self.memo.get(cid)
         if entry is None or entry[0] is not code:
-            entry = self.memo[cid] = (code, fingerprint(code))
-        if entry[1] in self.snap.fingerprints[self.exercise]:
+            entry = self.memo[cid] = (code, exact(code), fingerprint(code))
+        known = self.snap.fingerprints[self.exercise]
+        if entry[1] in known or entry[2] in known:
             self.hit = f"a copy of {code.co_qualname}"
 
     def audit(self, event: str, args) -> None:

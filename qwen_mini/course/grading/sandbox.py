@@ -23,6 +23,7 @@ import contextlib
 import importlib
 import os
 import pickle
+import py_compile
 import select
 import shutil
 import signal
@@ -36,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-from ..checking import CHECKS, from_checks
-from . import byvalue, jail, protocol
+from ..checking import CHECKS, exercises, from_checks
+from . import byvalue, jail, monitor, protocol
 from .plan import ROOT, GraderError
 from .protocol import Codec, ProtocolError
 
@@ -86,6 +87,15 @@ class Jail:
         files = {os.path.realpath(w[2]) for w in places if w[2]}
         hidden = jail.hidden_paths()
         self.files = sorted(f for f in files if jail._inside(f, hidden))
+        # the graded references' source stays out of the jail (their modules are imported from
+        # bytecode there): no copy of it to edit and run, and no TorchScript of it; the
+        # fingerprints of that source compiled again are computed here instead
+        graded = {os.path.realpath(w[2]) for _, w in self.spec["exercises"] if w[2]}
+        self.sourceless = {
+            f: _compiled(f, workdir) for f in sorted(graded - set(self.files)) if f.endswith(".py")
+        }
+        earlier = [e.reference for e in _earlier(chapter) if isinstance(e.reference, type)]
+        self.spec["recompiled"] = monitor.all_recompiled(exercises(chapter), earlier)
 
 
 def _place(obj) -> list:
@@ -98,11 +108,7 @@ def _chapter_spec(chapter: str) -> dict:
     """What a worker needs of a chapter ("ch05"): each exercise's id and where its reference
     is, and where the earlier chapters' reference classes are (a later exercise may subclass
     them). Never the checks: the sandbox never imports them."""
-    from ..checking import exercises
-
-    earlier = []
-    if chapter[:2] == "ch" and chapter[2:].isdigit():
-        earlier = [e for n in range(int(chapter[2:])) for e in exercises(f"ch{n:02d}")]
+    earlier = _earlier(chapter)
     for e in earlier + exercises(chapter):
         if _module(e).startswith(CHECKS + "."):
             raise GraderError(
@@ -118,6 +124,22 @@ def _chapter_spec(chapter: str) -> dict:
         "earlier": [_place(e.reference) for e in earlier if isinstance(e.reference, type)],
         "pieces": [[e.id, _place(e.reference)] for e in others],
     }
+
+
+def _earlier(chapter: str) -> list:
+    """The exercises of the chapters before `chapter` ("ch05")."""
+    if chapter[:2] != "ch" or not chapter[2:].isdigit():
+        return []
+    return [e for n in range(int(chapter[2:])) for e in exercises(f"ch{n:02d}")]
+
+
+def _compiled(source: str, workdir: Path) -> str:
+    """`source` compiled to a .pyc in `workdir` (by this interpreter, the worker's), which
+    Python imports without the source: its code objects still name the source's path."""
+    out = Path(tempfile.mkdtemp(prefix="sourceless-", dir=workdir)) / "module.pyc"
+    mode = py_compile.PycInvalidationMode.UNCHECKED_HASH  # nothing beside it to compare with
+    py_compile.compile(source, cfile=str(out), dfile=source, doraise=True, invalidation_mode=mode)
+    return str(out)
 
 
 def _package_chapters() -> list[str]:
@@ -282,7 +304,7 @@ class Connection:
         argv = [sys.executable, "-I", "-c", BOOT, str(theirs.fileno()), str(ROOT)]
         try:
             self.proc = subprocess.Popen(
-                jail.command(argv, self.cwd, memory_mb, cell.files, info_fd=info_w),
+                jail.command(argv, self.cwd, memory_mb, cell.files, info_w, cell.sourceless),
                 pass_fds=[theirs.fileno(), info_w],
                 stdin=subprocess.DEVNULL,
                 stdout=self.output,

@@ -582,7 +582,7 @@ def serve(sock_fd: int) -> None:
             plt.figure()
             plt.close("all")
         found, earlier = _references(job["spec"])
-        snapshot = Snapshot(found, earlier=earlier)
+        snapshot = Snapshot(found, earlier=earlier, recompiled_given=job["spec"].get("recompiled"))
         _settle(int(job["memory_mb"]))
     except BaseException:
         with contextlib.suppress(OSError):
