@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHECKS = ROOT / "qwen_mini" / "course" / "checks"
 
 
-def _jailed(tmp_path: Path, code: str, memory_mb: int = 64, files=()) -> dict:
+def _jailed(tmp_path: Path, code: str, memory_mb: int = 64, files=(), sourceless=None) -> dict:
     """What `code` (Python, run in a jail as the grader runs a worker) prints as JSON."""
     cwd = tmp_path / "cwd"
     cwd.mkdir(exist_ok=True)
@@ -30,7 +30,7 @@ def _jailed(tmp_path: Path, code: str, memory_mb: int = 64, files=()) -> dict:
     argv = [sys.executable, "-I", "-c", textwrap.dedent(code)]
     try:
         done = subprocess.run(
-            jail.command(argv, str(cwd), memory_mb, files),
+            jail.command(argv, str(cwd), memory_mb, files, sourceless=sourceless),
             capture_output=True,
             env=jail.environment(str(cwd)),
             preexec_fn=limits.apply,
@@ -154,6 +154,38 @@ def test_the_checks_and_the_graders_files_are_out_of_reach(tmp_path, monkeypatch
     assert seen[str(extra / "ch77.py")] == "FileNotFoundError"
     assert seen[str(ROOT / "solutions")] == "FileNotFoundError"
     assert seen[str(ROOT / "tests")] == "FileNotFoundError"
+
+
+def test_a_graded_module_is_bytecode_only_wherever_the_jail_shows_it(tmp_path, monkeypatch):
+    """The source of a module that defines a graded reference is replaced by its .pyc, and the
+    check modules hidden, also where the package is shown a second time, through a link."""
+    import py_compile
+
+    alias = tmp_path / "alias"
+    alias.symlink_to(ROOT)
+    shown = jail.visible_paths()
+    monkeypatch.setattr(jail, "visible_paths", lambda: [*shown, str(alias / "qwen_mini")])
+    compiled = tmp_path / "mlp.pyc"
+    py_compile.compile(str(ROOT / "qwen_mini" / "mlp.py"), cfile=str(compiled), doraise=True)
+    seen = _jailed(
+        tmp_path,
+        f"""
+        import importlib, json, os, sys
+        out = {{}}
+        for top in {[str(ROOT / "qwen_mini"), str(alias / "qwen_mini")]!r}:
+            out[top] = [
+                sorted(n for n in os.listdir(top) if n.startswith("mlp")),
+                os.listdir(os.path.join(top, "course", "checks")),
+            ]
+        sys.path.insert(0, {str(ROOT)!r})
+        out["module"] = importlib.import_module("qwen_mini.mlp").__file__
+        print(json.dumps(out))
+        """,
+        sourceless={str(ROOT / "qwen_mini" / "mlp.py"): str(compiled)},
+    )
+    for top in (ROOT / "qwen_mini", alias / "qwen_mini"):
+        assert seen[str(top)] == [["mlp.pyc"], []], (top, seen)
+    assert seen["module"] == str(ROOT / "qwen_mini" / "mlp.pyc")
 
 
 def test_the_limits_are_set_before_the_workers_code_runs(tmp_path):

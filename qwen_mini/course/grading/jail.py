@@ -144,7 +144,7 @@ def command(
         args += ["--tmpfs", folder]
         for source, target in entries:
             args += ["--ro-bind", source, target]
-    hidden = [p for p in hidden_paths() if os.path.isdir(p) and _inside(p, shown)]
+    hidden = [a for p in hidden_paths() if os.path.isdir(p) for a in aliases(p, shown)]
     for path in hidden:  # an empty folder in its place
         args += ["--tmpfs", path]
     for path in files:
@@ -166,19 +166,30 @@ def without_sources(sourceless: dict[str, str], shown: list[str]) -> list[tuple[
     by_folder: dict[str, dict[str, str]] = {}
     for source, compiled in sourceless.items():
         source = os.path.realpath(source)
-        if source.endswith(".py") and _inside(source, shown):
+        if source.endswith(".py"):
             by_folder.setdefault(os.path.dirname(source), {})[os.path.basename(source)] = compiled
     out = []
-    for folder in sorted(by_folder, key=len):
-        hide = by_folder[folder]
-        entries = [
-            (os.path.join(folder, name), os.path.join(folder, name))
-            for name in sorted(os.listdir(folder))
-            if name not in hide and not name.endswith(".pyc")
-        ]
-        entries += [(pyc, os.path.join(folder, name[:-3] + ".pyc")) for name, pyc in hide.items()]
-        out.append((folder, entries))
-    return out
+    for folder, hide in by_folder.items():
+        kept = [n for n in sorted(os.listdir(folder)) if n not in hide and not n.endswith(".pyc")]
+        for where in aliases(folder, shown):  # wherever the jail shows that folder
+            entries = [(os.path.join(folder, n), os.path.join(where, n)) for n in kept]
+            entries += [(pyc, os.path.join(where, n[:-3] + ".pyc")) for n, pyc in hide.items()]
+            out.append((where, entries))
+    return sorted(out, key=lambda item: len(item[0]))
+
+
+def aliases(path: str, shown: list[str]) -> list[str]:
+    """Every path in the jail that shows the host folder `path` (given as its real path): inside
+    each shown path whose real path holds it (a folder may be shown twice, as itself and
+    through a link in its path)."""
+    found = []
+    for top in shown:
+        if os.path.islink(top):  # the jail has the same link: it shows its target, shown too
+            continue
+        real = os.path.realpath(top)
+        if path == real or path.startswith(real.rstrip("/") + "/"):
+            found.append(top + path[len(real) :])
+    return sorted(set(found))
 
 
 def environment(cwd: str) -> dict[str, str]:
