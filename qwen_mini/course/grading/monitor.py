@@ -245,6 +245,8 @@ class Snapshot:
         earlier = set(earlier) | {e.reference for e in exercises if isinstance(e.reference, type)}
         self.code_ids, self.fingerprints = {}, {}
         self.keep = []  # code objects stay alive, so their ids stay theirs
+        if recompiled_given is None:
+            recompiled_given = all_recompiled(exercises, earlier)
         for e in exercises:
             codes = _codes(e.reference, earlier=set(earlier) - {e.reference})
             self.keep += codes
@@ -252,11 +254,7 @@ class Snapshot:
             # its own code objects, however short (a copy with another name is still a copy),
             # but no comprehension, generator expression or lambda on its own (see _distinctive)
             own = {p for c in codes if not c.co_name.startswith("<") for p in prints(c)}
-            if recompiled_given is None:
-                again = recompiled(e.reference, set(earlier) - {e.reference})
-            else:
-                again = set(recompiled_given.get(e.id, ()))
-            self.fingerprints[e.id] = own | again
+            self.fingerprints[e.id] = own | set(recompiled_given.get(e.id, ()))
         self.package_ids = set()
         for name, module in list(sys.modules.items()):
             if name.split(".")[0] == "qwen_mini" and module is not None:
