@@ -9,7 +9,14 @@ import inspect
 import types
 
 from qwen_mini.course.checking import exercises
-from qwen_mini.course.grading.monitor import Snapshot, _codes, exact, fingerprint
+from qwen_mini.course.grading.monitor import (
+    Snapshot,
+    _codes,
+    _instructions,
+    exact,
+    fingerprint,
+    size,
+)
 from qwen_mini.course.grading.sandbox import _chapter_spec
 from qwen_mini.course.grading.worker import _references
 
@@ -52,6 +59,35 @@ def test_copies_of_a_reference_with_other_tables_are_recognised():
     other = code.replace(co_consts=tuple(2.5 if c == 1.0 else c for c in code.co_consts))
     assert other.co_consts != code.co_consts
     assert fingerprint(other) not in snap.fingerprints["ch00.rope_cos_sin"]
+
+
+def test_the_instruction_count_read_from_the_bytecode_is_the_disassemblys():
+    """The watcher disassembles only a code object whose `size` is one of a reference's: the
+    count must be that of the instructions a fingerprint is made of, for every code object (else
+    a copy would be passed over). torch's functional API, the standard library's json and
+    argparse, the package, and copies with no-ops and with arguments over 255 (EXTENDED_ARG)."""
+    import argparse
+    import json
+
+    import torch.nn.functional
+
+    import qwen_mini.decoder
+
+    codes = [
+        c
+        for module in (torch.nn.functional, json.decoder, argparse, qwen_mini.decoder)
+        for value in vars(module).values()
+        for c in _codes(value)
+    ]
+    source = "def f(x):\n    return [" + ", ".join(f"x + {i}" for i in range(300)) + "]\n"
+    wide = _codes(compile(source, "<wide>", "exec"))[-1]
+    assert wide.co_code[::2].count(dis.opmap["EXTENDED_ARG"]) > 0
+    nop = bytes([dis.opmap["NOP"], 0])
+    codes += [wide, wide.replace(co_code=nop * 3 + wide.co_code, co_linetable=b"")]
+    assert len(codes) > 500
+    for code in codes:
+        assert size(code) == len(_instructions(code)), code.co_qualname
+        assert fingerprint(code).startswith(f"{size(code)}:")
 
 
 def _reindexed_consts(code):

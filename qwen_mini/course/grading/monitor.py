@@ -119,18 +119,32 @@ def fingerprint(code: types.CodeType) -> str:
     inserted or its line table changed (`code.replace`) have the same fingerprint: a digest of
     its instructions (see `_instructions`), the same in every process (the grader computes
     those of the references' sources, which the worker's jail does not show)."""
-    return _digest(("instructions", _instructions(code)))
+    return _digest(code, ("instructions", _instructions(code)))
 
 
 def exact(code: types.CodeType) -> str:
     """A digest of a code object's bytecode and tables as they are: for a function too short to
     be recognised by its instructions alone (see DISTINCT)."""
     consts = [exact(c) if isinstance(c, types.CodeType) else _constant(c) for c in code.co_consts]
-    return _digest(("exact", code.co_code, code.co_names, code.co_varnames, tuple(consts)))
+    return _digest(code, ("exact", code.co_code, code.co_names, code.co_varnames, tuple(consts)))
 
 
-def _digest(value) -> str:
-    return hashlib.blake2b(repr(value).encode(), digest_size=16).hexdigest()
+def size(code: types.CodeType) -> int:
+    """How many instructions `_instructions` keeps, counted in the bytecode without
+    disassembling it (a hundred times faster). Both digests begin with it, so the watcher
+    disassembles only a code object as long as one of the reference's: a check whose code
+    imports a module (torch._dynamo, sympy) calls thousands of new code objects."""
+    ops = code.co_code[::2]  # (opcode, argument) pairs; CACHE entries are opcode 0
+    return len(ops) - sum(ops.count(op) for op in _SKIPPED)
+
+
+def _digest(code: types.CodeType, value) -> str:
+    return f"{size(code)}:{hashlib.blake2b(repr(value).encode(), digest_size=16).hexdigest()}"
+
+
+def sizes(prints: set[str]) -> set[int]:
+    """The instruction counts of the code objects these fingerprints are of."""
+    return {int(p.partition(":")[0]) for p in prints}
 
 
 def prints(code: types.CodeType) -> tuple[str, ...]:
@@ -243,7 +257,7 @@ class Snapshot:
         # a class of this chapter may subclass another exercise's (SharedExpertMoeBlock of
         # SparseMoeBlock): that base is the other exercise's code, whoever's it is
         earlier = set(earlier) | {e.reference for e in exercises if isinstance(e.reference, type)}
-        self.code_ids, self.fingerprints = {}, {}
+        self.code_ids, self.fingerprints, self.sizes = {}, {}, {}
         self.keep = []  # code objects stay alive, so their ids stay theirs
         if recompiled_given is None:
             recompiled_given = all_recompiled(exercises, earlier)
@@ -255,6 +269,7 @@ class Snapshot:
             # but no comprehension, generator expression or lambda on its own (see _distinctive)
             own = {p for c in codes if not c.co_name.startswith("<") for p in prints(c)}
             self.fingerprints[e.id] = own | set(recompiled_given.get(e.id, ()))
+            self.sizes[e.id] = sizes(self.fingerprints[e.id])
         self.package_ids = set()
         for name, module in list(sys.modules.items()):
             if name.split(".")[0] == "qwen_mini" and module is not None:
@@ -320,7 +335,7 @@ class Monitor:
         self.snap = snapshot
         self.cell_code_ids: set[int] = set()
         self.cell_codes: list = []
-        self.memo: dict[int, tuple] = {}
+        self.memo: dict[int, list] = {}  # id -> [code, size, (exact, fingerprint) or None]
         self.exercise = None
         self.hit = ""
 
@@ -344,9 +359,12 @@ class Monitor:
             return  # an earlier piece of the package: allowed
         entry = self.memo.get(cid)
         if entry is None or entry[0] is not code:
-            entry = self.memo[cid] = (code, exact(code), fingerprint(code))
-        known = self.snap.fingerprints[self.exercise]
-        if entry[1] in known or entry[2] in known:
+            entry = self.memo[cid] = [code, size(code), None]
+        if entry[1] not in self.snap.sizes[self.exercise]:
+            return
+        if entry[2] is None:
+            entry[2] = (exact(code), fingerprint(code))
+        if not self.snap.fingerprints[self.exercise].isdisjoint(entry[2]):
             self.hit = f"a copy of {code.co_qualname}"
 
     def audit(self, event: str, args) -> None:
