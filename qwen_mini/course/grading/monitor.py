@@ -108,7 +108,9 @@ def _codes(obj, seen=None, earlier=()) -> list[types.CodeType]:
     return out
 
 
-_SKIPPED = {dis.opmap[name] for name in ("NOP", "EXTENDED_ARG", "CACHE")}
+_SKIPPED = {
+    dis.opmap[name] for name in ("NOP", "EXTENDED_ARG", "CACHE") if name in dis.opmap
+}  # no CACHE in 3.10
 _LOCAL = set(dis.haslocal) | set(dis.hasfree)
 
 
@@ -136,6 +138,10 @@ def size(code: types.CodeType) -> int:
     imports a module (torch._dynamo, sympy) calls thousands of new code objects."""
     ops = code.co_code[::2]  # (opcode, argument) pairs; CACHE entries are opcode 0
     return len(ops) - sum(ops.count(op) for op in _SKIPPED)
+
+
+def _qualname(code: types.CodeType) -> str:
+    return getattr(code, "co_qualname", code.co_name)  # co_qualname: Python 3.11 and later
 
 
 def _digest(code: types.CodeType, value) -> str:
@@ -353,7 +359,7 @@ class Monitor:
             return
         ids = self.snap.code_ids[self.exercise]
         if cid in ids:
-            self.hit = code.co_qualname
+            self.hit = _qualname(code)
             return
         if cid in self.snap.package_ids:
             return  # an earlier piece of the package: allowed
@@ -365,7 +371,7 @@ class Monitor:
         if entry[2] is None:
             entry[2] = (exact(code), fingerprint(code))
         if not self.snap.fingerprints[self.exercise].isdisjoint(entry[2]):
-            self.hit = f"a copy of {code.co_qualname}"
+            self.hit = f"a copy of {_qualname(code)}"
 
     def audit(self, event: str, args) -> None:
         if event in ("sys.setprofile", "sys.settrace"):  # never, or a thread could unwatch itself
