@@ -148,15 +148,10 @@ def _digest(code: types.CodeType, value) -> str:
     return f"{size(code)}:{hashlib.blake2b(repr(value).encode(), digest_size=16).hexdigest()}"
 
 
-def sizes(prints: set[str]) -> set[int]:
-    """The instruction counts of the code objects these fingerprints are of."""
-    return {int(p.partition(":")[0]) for p in prints}
-
-
 def prints(code: types.CodeType) -> tuple[str, ...]:
     """The fingerprints a reference's code object is recognised by (both, where it is long
     enough)."""
-    if len(_instructions(code)) < DISTINCT:
+    if size(code) < DISTINCT:
         return (exact(code),)
     return (exact(code), fingerprint(code))
 
@@ -225,8 +220,8 @@ def recompiled(obj, earlier=()) -> set:
                     except (SyntaxError, ValueError):
                         continue
                     for c in _codes(code):  # most variants compile to the same code
-                        if _distinctive(c) and exact(c) not in seen:
-                            seen.add(exact(c))
+                        if _distinctive(c) and (digest := exact(c)) not in seen:
+                            seen.add(digest)
                             out.update(prints(c))
     return out
 
@@ -275,7 +270,8 @@ class Snapshot:
             # but no comprehension, generator expression or lambda on its own (see _distinctive)
             own = {p for c in codes if not c.co_name.startswith("<") for p in prints(c)}
             self.fingerprints[e.id] = own | set(recompiled_given.get(e.id, ()))
-            self.sizes[e.id] = sizes(self.fingerprints[e.id])
+            # the instruction counts they begin with (see `size`)
+            self.sizes[e.id] = {int(p.partition(":")[0]) for p in self.fingerprints[e.id]}
         self.package_ids = set()
         for name, module in list(sys.modules.items()):
             if name.split(".")[0] == "qwen_mini" and module is not None:
