@@ -1,6 +1,5 @@
 """check() / use() and the assertion helpers, on the test-only chapter 99 (tests/fixtures)."""
 
-import os
 import re
 from pathlib import Path
 
@@ -10,7 +9,13 @@ import torch
 from qwen_mini.course import checking as ex
 
 FIXTURES = Path(__file__).parent / "fixtures"
-os.environ.setdefault(ex.PATH_ENV, str(FIXTURES / "checks"))
+
+
+@pytest.fixture(autouse=True)
+def fixture_chapter(monkeypatch):
+    """Chapter 99's checks, for this file's tests only: set at import, the path reached every
+    later test of the process and the kernels and jails they start."""
+    monkeypatch.setenv(ex.PATH_ENV, str(FIXTURES / "checks"))
 
 
 def add_one(x):
