@@ -279,14 +279,7 @@ def test_a_real_kernel_keeps_the_piece(tmp_path, qwen_mini):
     env = _env(home)
     client = NotebookClient(nb, timeout=300, kernel_name="python3",
                             resources={"metadata": {"path": str(folder)}})  # fmt: skip
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)
-    try:
-        client.execute()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    client.execute(env=env)  # the kernel's whole environment
     text = "".join(o.get("text", "") for o in nb.cells[0].outputs)
     assert "passed" in text and "not kept" not in text, text
     progress = json.loads(qwen_mini("progress", "--json", "--dir", str(folder), home=home)[0])

@@ -63,14 +63,7 @@ def run_notebook(path: Path, home: Path) -> dict:
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=900, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})  # fmt: skip
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(_env(home))  # the kernel inherits this process's environment
-    try:
-        client.execute()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    client.execute(env=_env(home))  # the kernel's whole environment
     return nb
 
 
@@ -108,6 +101,20 @@ def qwen_mini(capsys, monkeypatch):
         return out, err
 
     return run
+
+
+def test_a_kernel_runs_in_this_processs_environment_with_the_learners_settings(tmp_path):
+    """The kernel gets this process's environment (PATH, the locale, the one torch thread
+    `make test` gives each test process) plus the learner's settings. Started with the settings
+    alone, the chapters' kernels ran on two torch threads beside the other test process and
+    spent two to five times their CPU time waiting for each other."""
+    code = "import os, torch\nfor key in ('PATH', 'OMP_NUM_THREADS', 'QWEN_MINI_HOME'):\n"
+    code += "    print(repr(os.environ.get(key)))\nprint(torch.get_num_threads())"
+    path = tmp_path / "environment.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)]), path)
+    printed = outputs(run_notebook(path, tmp_path / "home")).splitlines()
+    expected = [os.environ.get("PATH"), os.environ.get("OMP_NUM_THREADS"), str(tmp_path / "home")]
+    assert printed == [repr(x) for x in expected] + [str(torch.get_num_threads())]
 
 
 def test_every_chapter_keeps_its_pieces_in_a_kernel_of_its_own(learner):
