@@ -10,7 +10,6 @@ kernel (nbclient) to cover the kernel's own way of holding cell source.
 
 import io
 import json
-import os
 import re
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
+from learner import learner_env, run_in_kernel
 
 from qwen_mini.course import checking, mine
 from qwen_mini.course.cli import main
@@ -42,19 +41,11 @@ for cell in json.loads(sys.stdin.read()):
 """
 
 
-def _env(home: Path, **extra) -> dict:
-    dropped = ("QWEN_MINI_WEIGHTS", "QWEN_MINI_CHECKS", "QWEN_MINI_MINE")  # a learner keeps pieces
-    env = {k: v for k, v in os.environ.items() if k not in dropped}
-    env.update(QWEN_MINI_HOME=str(home), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **extra)
-    env.update(HF_HUB_CACHE=str(home / "empty-hf-cache"), PYTHONPATH=str(ROOT))
-    return env
-
-
 def run_cells(cells: list[str], folder: Path, home: Path, **env) -> str:
     """Run `cells` as a learner's kernel would, in notebook folder `folder`; its output."""
     done = subprocess.run(
-        [sys.executable, "-c", SHELL], input=json.dumps(cells), cwd=folder, env=_env(home, **env),
-        capture_output=True, text=True, timeout=600,
+        [sys.executable, "-c", SHELL], input=json.dumps(cells), cwd=folder,
+        env=learner_env(home, **env), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
@@ -99,7 +90,7 @@ def qwen_mini(capsys, monkeypatch):
     (stdout, stderr); a non-zero exit fails the test."""
 
     def run(*args, home: Path, stdin: str = ""):
-        for key, value in _env(home).items():
+        for key, value in learner_env(home).items():
             monkeypatch.setenv(key, value)
         monkeypatch.delenv("QWEN_MINI_WEIGHTS", raising=False)
         monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
@@ -276,10 +267,7 @@ def test_a_real_kernel_keeps_the_piece(tmp_path, qwen_mini):
         check("ch01.causal_mask", causal_mask)
     """)
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
-    env = _env(home)
-    client = NotebookClient(nb, timeout=300, kernel_name="python3",
-                            resources={"metadata": {"path": str(folder)}})  # fmt: skip
-    client.execute(env=env)  # the kernel's whole environment
+    run_in_kernel(nb, folder, home, timeout=300)
     text = "".join(o.get("text", "") for o in nb.cells[0].outputs)
     assert "passed" in text and "not kept" not in text, text
     progress = json.loads(qwen_mini("progress", "--json", "--dir", str(folder), home=home)[0])

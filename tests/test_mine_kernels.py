@@ -18,7 +18,7 @@ from pathlib import Path
 import nbformat
 import pytest
 import torch
-from nbclient import NotebookClient
+from learner import learner_env, run_in_kernel
 
 from qwen_mini import load_model
 from qwen_mini.course import checking, mine
@@ -49,22 +49,9 @@ def answered(solution: Path) -> dict:
     return copy
 
 
-def _env(home: Path) -> dict:
-    dropped = ("QWEN_MINI_WEIGHTS", "QWEN_MINI_CHECKS", "QWEN_MINI_MINE", "QWEN_MINI_DOWNLOAD")
-    env = {k: v for k, v in os.environ.items() if k not in dropped}
-    env.update(QWEN_MINI_HOME=str(home), HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    env.update(HF_HUB_CACHE=str(home / "empty-hf-cache"))
-    return env
-
-
 def run_notebook(path: Path, home: Path) -> dict:
-    """Every cell of the notebook at `path`, in a fresh kernel started in its folder (as
-    JupyterLab starts one); a cell that raises fails the test."""
-    nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=900, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}})  # fmt: skip
-    client.execute(env=_env(home))  # the kernel's whole environment
-    return nb
+    """Every cell of the notebook at `path`, in a fresh kernel started in its folder."""
+    return run_in_kernel(nbformat.read(path, as_version=4), path.parent, home)
 
 
 def outputs(nb: dict) -> str:
@@ -90,7 +77,7 @@ def qwen_mini(capsys, monkeypatch):
     """The command line in this process: (stdout, stderr); a non-zero exit fails the test."""
 
     def run(*args, home: Path):
-        for key, value in _env(home).items():
+        for key, value in learner_env(home).items():
             monkeypatch.setenv(key, value)
         for key in ("QWEN_MINI_WEIGHTS", "QWEN_MINI_MINE", "QWEN_MINI_CHECKS"):
             monkeypatch.delenv(key, raising=False)
