@@ -48,8 +48,13 @@ def test_a_parameter_crosses_as_a_plain_tensor_that_can_be_written_back():
     p = torch.nn.Parameter(torch.ones(3))
     got = grader.decode(worker.encode(p))
     assert type(got) is torch.Tensor and torch.equal(got, torch.ones(3))
-    (h, tensor, version) = grader.mirrors[0]
+    [(h, tensor, version)] = grader.mirrors.values()
     assert worker.lookup(h) is p and tensor is got and version == got._version
+    # sent again (a check reading one weight a thousand times): the same tensor here, watched
+    # once, not once for every time it arrived
+    for _ in range(3):
+        assert grader.decode(worker.encode(p)) is got
+    assert list(grader.mirrors.values()) == [(h, got, got._version)]
 
 
 def test_a_tensor_subclass_is_a_wrong_answer():

@@ -405,10 +405,10 @@ class Connection:
             if key in out:
                 out[key] = self.codec.encode(out[key])
         sync = []
-        for i, (h, tensor, version) in enumerate(self.codec.mirrors):
+        for key, (h, tensor, version) in self.codec.mirrors.items():
             if tensor._version != version:  # changed here in place: change the worker's too
                 sync.append([h, self.codec.encode(tensor)])
-                self.codec.mirrors[i] = (h, tensor, tensor._version)
+                self.codec.mirrors[key] = (h, tensor, tensor._version)
         if sync:
             out["sync"] = sync
         if message["op"] in byvalue.STATE_OPS:  # the learner's code draws from the check's
