@@ -8,6 +8,7 @@ x = fc(cat([norm_e(embed(t_{i+1})), norm_h(h_i)])) -> one full-attention decoder
 mtp.norm -> the shared lm_head.
 """
 
+import copy
 import functools
 import math
 
@@ -23,10 +24,10 @@ HAS_MTP = ("qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "qwen4_exp_text", "
 FAMILIES = ("qwen3", "qwen2", "qwen3_moe", "qwen2_moe") + HAS_MTP
 
 
-def tiny(model_type, seed=0):
+def tiny(model_type, seed=0, **overrides):
     mtp = {"mtp_num_hidden_layers": 1} if model_type in HAS_MTP else {}
     # large weights: sharp logits, so a wrong token cannot pass as a near tie
-    return helpers.tiny_model(model_type, seed=seed, std=0.5, **mtp)
+    return helpers.tiny_model(model_type, seed=seed, std=0.5, **mtp, **overrides)
 
 
 def greedy(model, n=12, **kwargs):
@@ -107,15 +108,31 @@ def test_rejection_rule_gives_the_target_distribution():
         assert abs(float(freq[x] - p[x])) <= 5 * se + 1e-9, (x, freq.tolist())
 
 
+def nearby(model, scale=0.02, seed=1):
+    """A draft model whose top tokens are mostly the model's, with other probabilities: the
+    rejection rule then keeps some drafts, rejects others and resamples from p - q (a draft of
+    other weights altogether shares no top token with the model, and every draft is refused)."""
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for w in other.parameters():
+            w.add_(torch.randn(w.shape, generator=g) * scale)
+    return other
+
+
 # thousands of tiny passes: measured 4x slower on 2 threads while another test runs beside it
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("draft_name", ["model", "mtp"])
 def test_speculative_sampling_follows_the_model_distribution(draft_name):
     """The first three sampled tokens (top_k=2: 8 sequences) with 2 drafts a round, against
     their exact probabilities from the model's own forward passes; 1,200 seeds, each
-    sequence's frequency within 5 standard errors."""
-    model = tiny("qwen3_5_text")
-    draft = tiny("qwen3_5_text", seed=1) if draft_name == "model" else "mtp"
+    sequence's frequency within 5 standard errors. The hybrid has one layer of each kind (a
+    Gated DeltaNet state to restore after a rejection, a cache to cut back): half the cost of
+    the tiny config's four. The draft model is `nearby`, so drafts are kept as well as refused
+    (the random MTP head's drafts are refused: its rejections and rollbacks are tested)."""
+    hybrid = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    model = tiny("qwen3_5_text", **hybrid)
+    draft = nearby(model) if draft_name == "model" else "mtp"
     settings = dict(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0, eos_token_ids=[])
 
     def probs(prefix):  # the model's top-2 distribution after prefix
