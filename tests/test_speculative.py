@@ -16,6 +16,7 @@ import helpers
 import pytest
 import torch
 
+from qwen_mini import speculative
 from qwen_mini.generation import generate, generate_tokens
 from qwen_mini.speculative import accept_or_resample
 
@@ -30,6 +31,18 @@ def tiny(model_type, seed=0, **overrides):
     return helpers.tiny_model(model_type, seed=seed, std=0.5, **mtp, **overrides)
 
 
+def nearby(model, scale=0.02, seed=1):
+    """A draft model whose top tokens are mostly the model's, with other probabilities: the
+    rejection rule then keeps some drafts, rejects others and resamples from p - q (a draft of
+    other weights altogether shares no top token with the model, and every draft is refused)."""
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for w in other.parameters():
+            w.add_(torch.randn(w.shape, generator=g) * scale)
+    return other
+
+
 def greedy(model, n=12, **kwargs):
     return list(
         generate_tokens(model, PROMPT, max_new_tokens=n, temperature=0, eos_token_ids=[], **kwargs)
@@ -37,16 +50,31 @@ def greedy(model, n=12, **kwargs):
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_greedy_speculative_equals_plain_greedy(model_type):
+def test_greedy_speculative_equals_plain_greedy(model_type, monkeypatch):
     model = tiny(model_type)
     plain = greedy(model)
     other = tiny(model_type, seed=1)  # a draft that is often wrong: many rejections
-    # the model drafting for itself: every draft accepted (the bonus token every round)
-    runs = [(other, 3), (model, 2)] + ([("mtp", 1), ("mtp", 3)] if model_type in HAS_MTP else [])
+    # the model drafting for itself: every draft accepted (the bonus token every round); drafts
+    # near the model: rounds that keep some drafts and refuse the rest (where an off-by-one in
+    # the kept prefix or the rollback shows)
+    runs = [(other, 3), (model, 2), (nearby(model, 0.01), 3), (nearby(model, 0.03), 3)]
+    runs += [("mtp", 1), ("mtp", 3)] if model_type in HAS_MTP else []
+    rounds = []  # (drafts kept, drafts proposed) of every round
+    monkeypatch.setattr(speculative, "greedy_accept", _noting(speculative.greedy_accept, rounds))
     for draft, k in runs:
         got = greedy(model, draft=draft, draft_tokens=k)
         name = draft if isinstance(draft, str) else "model"
         assert got == plain, f"{model_type}, draft {name}, k={k}"
+    assert any(0 < kept < proposed for kept, proposed in rounds), "no round kept some drafts"
+
+
+def _noting(accept, rounds):
+    def noted(drafts, targets):
+        kept, chosen = accept(drafts, targets)
+        rounds.append((kept, len(drafts)))
+        return kept, chosen
+
+    return noted
 
 
 def test_greedy_speculative_stops_at_eos_and_max_new_tokens():
@@ -106,18 +134,6 @@ def test_rejection_rule_gives_the_target_distribution():
     for x in range(5):
         se = math.sqrt(float(p[x] * (1 - p[x])) / n)
         assert abs(float(freq[x] - p[x])) <= 5 * se + 1e-9, (x, freq.tolist())
-
-
-def nearby(model, scale=0.02, seed=1):
-    """A draft model whose top tokens are mostly the model's, with other probabilities: the
-    rejection rule then keeps some drafts, rejects others and resamples from p - q (a draft of
-    other weights altogether shares no top token with the model, and every draft is refused)."""
-    other = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for w in other.parameters():
-            w.add_(torch.randn(w.shape, generator=g) * scale)
-    return other
 
 
 # thousands of tiny passes: measured 4x slower on 2 threads while another test runs beside it
